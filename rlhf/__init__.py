@@ -1,0 +1,1 @@
+"""rlhf: Ray-distributed RLHF with padding-free packing."""

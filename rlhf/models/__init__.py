@@ -1,0 +1,1 @@
+"""Model builders and the packed forward pass."""
