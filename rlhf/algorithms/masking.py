@@ -127,13 +127,17 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> int:
     This costs one host sync; silent corruption of per-sample statistics is worse.
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D with at least one entry, got shape {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be 1-D with at least one entry, got shape {tuple(cu_seqlens.shape)}"
+        )
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(f"cu_seqlens must start at 0 and end at {total} (packed length), got {bounds[0]}..{bounds[-1]}")
-    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at {total} (packed length), got {bounds[0]}..{bounds[-1]}"
+        )
+    if any(b < a for a, b in zip(bounds[:-1], bounds[1:], strict=True)):
         raise ValueError("cu_seqlens must be non-decreasing")
     return len(bounds) - 1
 

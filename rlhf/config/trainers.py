@@ -1,0 +1,1 @@
+"""Schemas of the SFT, DPO and reward-model entry points (filled in by those trainers)."""

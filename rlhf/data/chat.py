@@ -1,0 +1,158 @@
+"""Chat data -> unpadded Samples with assistant-token masks (SFT, DPO, reward model).
+
+Rows are read from JSONL. Errors name the file, the row and the field, and nothing is
+dropped silently.
+
+- SFT: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (several assistant turns
+  allowed) or ``{"prompt": ..., "completion": ...}``. Loss is on assistant tokens only.
+- Preferences (DPO, RM): ``{"prompt": str | messages, "chosen": str, "rejected": str}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from rlhf.data.types import Sample
+
+
+class DataRowError(ValueError):
+    """A malformed data row; the message names the file, row and field."""
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataRowError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if not isinstance(row, dict):
+                raise DataRowError(f"{path}:{lineno}: each row must be a JSON object")
+            yield lineno, row
+
+
+def _messages(value, where: str, field: str) -> list[dict]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataRowError(f"{where}: field {field!r} is empty")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataRowError(f"{where}: field {field!r} must be a string or a non-empty list of messages")
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataRowError(f"{where}: {field}[{j}] must have 'role' and 'content'")
+    return value
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], where: str = "row") -> Sample:
+    """Tokenize with the chat template; ``action_mask`` marks assistant-turn tokens.
+
+    Each turn's tokens are the difference between the template rendered up to that turn and
+    up to the turn before, so the mask follows the tokenizer's own template. A template that
+    is not prefix-stable (re-renders earlier turns differently) is an error, not a guess.
+    """
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, m in enumerate(messages):
+        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        full = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if full[: len(ids)] != ids:
+            raise DataRowError(f"{where}: the chat template is not prefix-stable at message {i}; "
+                               "tokenize with a template that renders earlier turns unchanged")
+        new = full[len(ids):]
+        if m["role"] == "assistant":
+            if not m["content"].strip():
+                raise DataRowError(f"{where}: message {i} is an empty assistant turn")
+            # The turn's role header is prompt, not target: mask only what follows it.
+            header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) \
+                if i else None
+            head_len = 0
+            if header is not None:
+                h = tokenizer(header, add_special_tokens=False)["input_ids"]
+                if full[: len(h)] == h:
+                    head_len = max(0, len(h) - len(ids))
+            mask += [False] * head_len + [True] * (len(new) - head_len)
+        else:
+            mask += [False] * len(new)
+        ids = full
+    if not any(mask):
+        raise DataRowError(f"{where}: no assistant tokens to train on")
+    if mask[0]:
+        raise DataRowError(f"{where}: the conversation must not start with an assistant turn")
+    return Sample(input_ids=torch.tensor(ids), action_mask=torch.tensor(mask), info={"where": where})
+
+
+def iter_rows(source: str | Path, kind: str, num_toy: int = 256, seed: int = 0) -> Iterator[tuple[int, dict]]:
+    """Rows of a JSONL file, or of the bundled toy task when ``source`` is ``"toy:count"``."""
+    if str(source) == "toy:count":
+        from rlhf.data.toy import toy_preference_rows, toy_sft_rows
+
+        rows = toy_sft_rows(num_toy, seed) if kind == "sft" else toy_preference_rows(num_toy, seed)
+        yield from enumerate(rows, 1)
+        return
+    if str(source).startswith("toy:"):
+        raise DataRowError(f"data.path={source!r}: unknown toy task (available: toy:count)")
+    if not Path(source).is_file():
+        raise DataRowError(f"data.path={source!r}: no such file")
+    yield from iter_jsonl(source)
+
+
+def load_sft(path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256,
+             seed: int = 0) -> tuple[list[Sample], int]:
+    """SFT rows -> Samples. Returns ``(samples, num_skipped_overlong)``."""
+    out, skipped = [], 0
+    for lineno, row in iter_rows(path, "sft", num_toy, seed):
+        where = f"{path}:{lineno}"
+        if "messages" in row:
+            msgs = _messages(row["messages"], where, "messages")
+        elif "prompt" in row and "completion" in row:
+            if not isinstance(row["completion"], str) or not row["completion"].strip():
+                raise DataRowError(f"{where}: field 'completion' is empty")
+            msgs = _messages(row["prompt"], where, "prompt") + [{"role": "assistant", "content": row["completion"]}]
+        else:
+            raise DataRowError(f"{where}: missing field 'messages' (or 'prompt' and 'completion')")
+        s = tokenize_conversation(tokenizer, msgs, where)
+        if len(s) > max_len:
+            if overlong == "skip":
+                skipped += 1
+                continue
+            raise DataRowError(f"{where}: {len(s)} tokens, more than data.max_len={max_len}; raise it or set "
+                               "data.overlong=skip")
+        out.append(s)
+    if not out:
+        raise DataRowError(f"{path}: no usable rows")
+    return out, skipped
+
+
+def load_preferences(path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256,
+                     seed: int = 0) -> tuple[list[tuple[Sample, Sample]], int]:
+    """Preference rows -> (chosen, rejected) Sample pairs sharing the prompt."""
+    pairs, skipped = [], 0
+    for lineno, row in iter_rows(path, "pref", num_toy, seed):
+        where = f"{path}:{lineno}"
+        for field in ("prompt", "chosen", "rejected"):
+            if field not in row:
+                raise DataRowError(f"{where}: missing field {field!r}")
+        prompt = _messages(row["prompt"], where, "prompt")
+        pair = []
+        for field in ("chosen", "rejected"):
+            value = row[field]
+            if not isinstance(value, str) or not value.strip():
+                raise DataRowError(f"{where}: field {field!r} is empty (an empty completion cannot be scored)")
+            pair.append(tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": value}],
+                                              f"{where} ({field})"))
+        if max(len(pair[0]), len(pair[1])) > max_len:
+            if overlong == "skip":
+                skipped += 1
+                continue
+            raise DataRowError(f"{where}: longer than data.max_len={max_len}; raise it or set data.overlong=skip")
+        pairs.append((pair[0], pair[1]))
+    if not pairs:
+        raise DataRowError(f"{path}: no usable rows")
+    return pairs, skipped

@@ -1,0 +1,117 @@
+"""Prompt sources: the bundled toy tasks and JSONL files, tokenized with the chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Prompt:
+    """One prompt: chat-formatted text, its token ids and free-form info for the reward."""
+
+    text: str
+    token_ids: list[int]
+    info: dict = field(default_factory=dict)
+
+
+def toy_count_messages(n: int, seed: int) -> list[list[dict]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        start, k = rng.randint(0, 80), rng.randint(2, 4)
+        out.append([{"role": "user", "content": "count " + " ".join(str(start + i) for i in range(k))}])
+    return out
+
+
+def read_jsonl(path: str | Path, key: str) -> list[list[dict]]:
+    """Rows ``{key: "text"}`` or ``{key: [{"role":..., "content":...}, ...]}``.
+
+    Errors name the file, the row number and the missing or malformed field.
+    """
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+            if key not in row:
+                raise ValueError(f"{path}:{lineno}: missing field {key!r} (set data.prompt_key to the field name)")
+            value = row[key]
+            if isinstance(value, str):
+                if not value.strip():
+                    raise ValueError(f"{path}:{lineno}: field {key!r} is empty")
+                value = [{"role": "user", "content": value}]
+            if not isinstance(value, list) or not all(isinstance(m, dict) and "content" in m for m in value):
+                raise ValueError(f"{path}:{lineno}: field {key!r} must be a string or a list of chat messages")
+            rows.append(value)
+    if not rows:
+        raise ValueError(f"{path}: no prompts found")
+    return rows
+
+
+def load_prompts(source: str, tokenizer, key: str = "prompt", num_toy: int = 256, seed: int = 0,
+                 max_len: int | None = None, overlong: str = "error") -> tuple[list[Prompt], int]:
+    """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``.
+
+    ``overlong="error"`` raises on a prompt over ``max_len`` tokens naming
+    ``data.max_prompt_len``; ``"skip"`` drops it and counts it.
+    """
+    if source == "toy:count":
+        convs = toy_count_messages(num_toy, seed)
+    elif source.startswith("toy:"):
+        raise ValueError(f"data.prompts={source!r}: unknown toy task (available: toy:count)")
+    else:
+        convs = read_jsonl(source, key)
+    prompts, skipped = [], 0
+    for i, msgs in enumerate(convs):
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if max_len is not None and len(ids) > max_len:
+            if overlong == "skip":
+                skipped += 1
+                continue
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, more than data.max_prompt_len={max_len}: raise "
+                "data.max_prompt_len (and rollout.max_model_len) or set data.overlong_prompts=skip"
+            )
+        prompts.append(Prompt(text=text, token_ids=ids, info={"index": i}))
+    if not prompts:
+        raise ValueError(f"data.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}")
+    return prompts, skipped
+
+
+class PromptLoader:
+    """Epoch-shuffled batches of prompts with a resumable position (for checkpoints)."""
+
+    def __init__(self, prompts: list[Prompt], batch_size: int, seed: int = 0):
+        if batch_size > len(prompts):
+            raise ValueError(f"train.rollout_batch_size={batch_size} exceeds the {len(prompts)} prompts available")
+        self.prompts, self.batch_size, self.seed = prompts, batch_size, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Prompt]:
+        if self.pos + self.batch_size > len(self._order):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._shuffle()
+        idx = self._order[self.pos : self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return [self.prompts[i] for i in idx]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._shuffle()

@@ -1,0 +1,177 @@
+"""Experience maker: rollouts -> unpadded samples -> scores, reference logprobs, values.
+
+Every stage speaks ``rlhf.data.types.Sample``: one unpadded sequence per trajectory with an
+explicit action mask. Nothing here pads; packing happens inside the model groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf.data.prompts import Prompt
+from rlhf.data.types import Sample
+from rlhf.rewards import RewardFunctionError, non_finite_indices, score_with_function
+
+
+@dataclass
+class RolloutStats:
+    num_samples: int = 0
+    empty_responses: int = 0
+    truncated: int = 0  # stopped by max_new_tokens / max_model_len
+    dropped_non_finite: int = 0
+
+
+def sampling_params(cfg, n: int) -> dict[str, Any]:
+    """Rollout config -> the engine's sampling dict."""
+    return {
+        "n": n, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+        "max_tokens": cfg.max_new_tokens,
+    }
+
+
+def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
+    """One single-turn completion -> one unpadded Sample (prompt tokens masked out)."""
+    p, r = list(prompt.token_ids), list(completion["token_ids"])
+    lp = list(completion.get("logprobs") or [0.0] * len(r))
+    if len(lp) != len(r):
+        raise ValueError(f"engine returned {len(lp)} logprobs for {len(r)} tokens")
+    return Sample(
+        input_ids=torch.tensor(p + r, dtype=torch.long),
+        action_mask=torch.tensor([False] * len(p) + [True] * len(r)),
+        rollout_logprobs=torch.tensor([0.0] * len(p) + lp, dtype=torch.float32),
+        group_id=group_id,
+        info={**prompt.info, "prompt": prompt.text, "prompt_len": len(p),
+              "finish_reason": completion.get("finish_reason")},
+    )
+
+
+class _Trajectory:
+    """A multi-turn trajectory under construction (token lists grow turn by turn)."""
+
+    def __init__(self, prompt: Prompt, group_id: int, env):
+        self.prompt, self.group_id, self.env = prompt, group_id, env
+        n = len(prompt.token_ids)
+        self.ids, self.mask, self.lp = list(prompt.token_ids), [False] * n, [0.0] * n
+        self.done, self.env_reward, self.finish_reason = False, None, None
+
+    def append(self, ids: list[int], logprobs: list[float] | None, action: bool) -> None:
+        self.ids += ids
+        self.mask += [action] * len(ids)
+        self.lp += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def to_sample(self) -> Sample:
+        info = {**self.prompt.info, "prompt": self.prompt.text, "prompt_len": len(self.prompt.token_ids),
+                "finish_reason": self.finish_reason, "env_reward": self.env_reward}
+        return Sample(input_ids=torch.tensor(self.ids), action_mask=torch.tensor(self.mask),
+                      rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32),
+                      group_id=self.group_id, info=info)
+
+
+class ExperienceMaker:
+    """Generates and scores experience. The engines and model groups are passed in.
+
+    Args:
+        rollout: a ``RolloutPool`` (generate(prompt_ids, sampling) -> completions).
+        actor, reference, critic, reward_model: ``ModelGroup`` or None.
+        reward_fn: rule-based reward ``fn(prompt, response, info) -> float`` or None.
+        env_factory: builds a fresh multi-turn ``Env`` per trajectory, or None.
+    """
+
+    def __init__(self, cfg, tokenizer, rollout, actor, reference=None, critic=None, reward_model=None,
+                 reward_fn: Callable | None = None, env_factory: Callable | None = None):
+        self.cfg, self.tok, self.rollout = cfg, tokenizer, rollout
+        self.actor, self.reference, self.critic, self.reward_model = actor, reference, critic, reward_model
+        self.reward_fn, self.env_factory = reward_fn, env_factory
+        self.budget = cfg.train.max_tokens_per_microbatch
+
+    def generate(self, prompts: list[Prompt], step: int) -> tuple[list[Sample], RolloutStats]:
+        """Sample ``rollout.n_samples_per_prompt`` trajectories per prompt."""
+        n = self.cfg.rollout.n_samples_per_prompt
+        if self.env_factory is not None:
+            samples = self._generate_multi_turn(prompts, n, step)
+        else:
+            outs = self.rollout.generate([p.token_ids for p in prompts], sampling_params(self.cfg.rollout, n))
+            samples = [
+                build_sample(p, c, group_id=step * len(prompts) + i)
+                for i, (p, comps) in enumerate(zip(prompts, outs, strict=True))
+                for c in comps
+            ]
+        stats = RolloutStats(num_samples=len(samples))
+        stats.empty_responses = sum(s.num_actions == 0 for s in samples)
+        stats.truncated = sum(s.info.get("finish_reason") == "length" for s in samples)
+        return samples, stats
+
+    def _generate_multi_turn(self, prompts: list[Prompt], n: int, step: int) -> list[Sample]:
+        """Alternate policy turns (mask 1) and environment observations (mask 0)."""
+        max_len = self.cfg.rollout.max_model_len
+        trajs = []
+        for i, p in enumerate(prompts):
+            for _ in range(n):
+                env = self.env_factory()
+                env.reset(p.text, dict(p.info))
+                trajs.append(_Trajectory(p, step * len(prompts) + i, env))
+        sampling = sampling_params(self.cfg.rollout, 1)
+        for _turn in range(self.cfg.env.max_turns):
+            live = [t for t in trajs if not t.done and len(t.ids) < max_len - 1]
+            if not live:
+                break
+            outs = self.rollout.generate([t.ids for t in live], sampling)
+            for t, comps in zip(live, outs, strict=True):
+                c = comps[0]
+                t.append(c["token_ids"], c["logprobs"], action=True)
+                t.finish_reason = c.get("finish_reason")
+                res = t.env.step(self.tok.decode(c["token_ids"]))
+                obs = self.tok(res.observation, add_special_tokens=False)["input_ids"]
+                obs = obs[: self.cfg.env.max_observation_tokens]
+                # An observation that leaves no room for another policy turn ends the trajectory.
+                if res.done or len(obs) >= max_len - 1 - len(t.ids):
+                    t.done, t.env_reward = True, res.reward
+                    continue
+                t.append(obs, None, action=False)
+        return [t.to_sample() for t in trajs]
+
+    def score(self, samples: list[Sample], stats: RolloutStats) -> list[Sample]:
+        """Fill ``score``, ``old_logprobs``, ``ref_logprobs`` and ``values``.
+
+        Returns the samples kept: with ``reward.non_finite=drop`` samples whose score is NaN or
+        inf are removed (and counted in ``stats``); with ``error`` such a score fails the step
+        before any model is updated.
+        """
+        scores = self._rewards(samples)
+        bad = set(non_finite_indices(scores))
+        if bad:
+            if self.cfg.reward.non_finite == "error":
+                i = min(bad)
+                raise RewardFunctionError(
+                    f"reward for sample {i} is {scores[i]} ({len(bad)} of {len(scores)} samples non-finite); "
+                    "fix the reward, or set reward.non_finite=drop to drop such samples (they are counted)"
+                )
+            if len(bad) == len(samples):
+                raise RewardFunctionError("every sample in the batch got a non-finite reward")
+            samples = [s for i, s in enumerate(samples) if i not in bad]
+            scores = [r for i, r in enumerate(scores) if i not in bad]
+            stats.dropped_non_finite = len(bad)
+        clip = self.cfg.reward.clip
+        for s, r in zip(samples, scores, strict=True):
+            s.score = max(-clip, min(clip, r)) if clip > 0 else r
+        for name, group in (("old_logprobs", self.actor), ("ref_logprobs", self.reference),
+                            ("values", self.critic)):
+            if group is not None:
+                for s, out in zip(samples, group.forward(samples, self.budget), strict=True):
+                    setattr(s, name, out.float())
+        return samples
+
+    def _rewards(self, samples: list[Sample]) -> list[float]:
+        env_scores = [s.info.get("env_reward") for s in samples]
+        if all(r is not None for r in env_scores):
+            return [float(r) for r in env_scores]
+        if self.reward_model is not None:
+            return [float(o.reshape(-1)[0]) for o in self.reward_model.forward(samples, self.budget)]
+        prompts = [s.info.get("prompt", "") for s in samples]
+        responses = [self.tok.decode(s.input_ids[s.info.get("prompt_len", 0):].tolist()) for s in samples]
+        return score_with_function(self.reward_fn, prompts, responses, [s.info for s in samples],
+                                   fn_name=f"reward.function={self.cfg.reward.function!r}")

@@ -1,0 +1,56 @@
+"""Metrics: console progress bar, TensorBoard, optional Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("rlhf")
+
+
+class Tracker:
+    """Writes scalar metrics to every configured sink; also keeps them in ``history``."""
+
+    def __init__(self, output_dir: str, total_steps: int, tensorboard: bool = True, wandb_project: str = "",
+                 config: dict | None = None, start_step: int = 0):
+        from tqdm import tqdm
+
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.history: list[dict] = []
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="rlhf", dynamic_ncols=True)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self.wandb = None
+        if wandb_project:
+            import wandb  # optional extra: pip install -e .[wandb]
+
+            self.wandb = wandb.init(project=wandb_project, config=config or {}, dir=str(self.dir))
+        self.jsonl = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        shown = {k: f"{metrics[k]:.3g}" for k in ("reward/mean", "kl", "policy/clip_fraction") if k in metrics}
+        self.bar.set_postfix(shown)
+        self.bar.update(1)
+        log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+
+    def close(self) -> None:
+        self.bar.close()
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

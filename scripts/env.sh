@@ -1,0 +1,10 @@
+# Environment for running on CPU (sourced by scripts/test.sh and scripts/run.sh).
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+export RAY_USAGE_STATS_ENABLED=0
+export RAY_DEDUP_LOGS=0
+export PYTHONUNBUFFERED=1

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up .venv (CPU recipe) if needed, then run an entry point on the local CPU.
+# Usage: scripts/run.sh [rlhf.ppo|rlhf.sft|rlhf.dpo|rlhf.rm] [hydra overrides...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+source scripts/env.sh
+entry=rlhf.ppo
+case "${1:-}" in rlhf.*) entry=$1; shift ;; esac
+exec .venv/bin/python -m "$entry" "$@"
