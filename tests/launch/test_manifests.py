@@ -1,0 +1,560 @@
+"""Structural checks for the launch files: KubeRay manifests, runtime_env.yaml and submit.sh.
+
+No cluster is involved. The KubeRay manifests are checked against a hand-written JSON schema for
+the subset of the ray.io/v1 RayCluster/RayJob fields we use (field names as in KubeRay's
+ray-operator/apis/ray/v1/*_types.go), plus cross-field rules a schema cannot express. Unknown
+keys are rejected at the KubeRay levels: the API server drops unknown fields of a custom resource
+(kubectl at most warns), so a misspelt `shutdownAfterJobFinishes` would leave GPU nodes running.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+pytestmark = pytest.mark.cpu
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "launch" / "k8s"
+RUNTIME_ENV = REPO / "launch" / "runtime_env.yaml"
+SUBMIT = REPO / "launch" / "submit.sh"
+
+GPU = "nvidia.com/gpu"
+
+# --- JSON schema ---------------------------------------------------------------------------------
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_GPU_QUANTITY = {
+    "anyOf": [{"type": "integer", "minimum": 1}, {"type": "string", "pattern": r"^[1-9][0-9]*$"}]
+}
+_RESOURCE_LIST = {
+    "type": "object",
+    "properties": {GPU: _GPU_QUANTITY},
+    "additionalProperties": {"type": ["string", "integer", "number"]},
+}
+_CONTAINER = {
+    "type": "object",
+    "required": ["name", "image"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "image": {"type": "string", "minLength": 1},
+        "env": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                # Kubernetes rejects non-string env values; YAML turns a bare 1 into an int.
+                "properties": {"name": {"type": "string", "minLength": 1}, "value": {"type": "string"}},
+            },
+        },
+        "resources": {
+            "type": "object",
+            "properties": {"limits": _RESOURCE_LIST, "requests": _RESOURCE_LIST},
+            "additionalProperties": False,
+        },
+        "volumeMounts": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "mountPath"],
+                "properties": {"name": {"type": "string"}, "mountPath": {"type": "string"}},
+            },
+        },
+    },
+}
+_POD_TEMPLATE = {
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "required": ["containers"],
+            "properties": {
+                "containers": {"type": "array", "minItems": 1, "items": _CONTAINER},
+                "volumes": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
+                },
+            },
+        }
+    },
+}
+_HEAD_GROUP = {
+    "type": "object",
+    "required": ["rayStartParams", "template"],
+    "additionalProperties": False,
+    "properties": {
+        "rayStartParams": {
+            **_STRING_MAP,
+            "required": ["num-cpus", "dashboard-host"],
+            # Nothing may be scheduled on the head: it hosts the GCS, whose loss ends the cluster.
+            "properties": {"num-cpus": {"const": "0"}},
+        },
+        "template": _POD_TEMPLATE,
+        "serviceType": {"type": "string"},
+        "headService": {"type": "object"},
+        "enableIngress": {"type": "boolean"},
+    },
+}
+_REPLICAS = {"type": "integer", "minimum": 0}
+_WORKER_GROUP = {
+    "type": "object",
+    "required": ["groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams", "template"],
+    "additionalProperties": False,
+    "properties": {
+        "groupName": {"type": "string", "minLength": 1},
+        "replicas": _REPLICAS,
+        "minReplicas": _REPLICAS,
+        "maxReplicas": _REPLICAS,
+        "numOfHosts": {"type": "integer", "minimum": 1},
+        "rayStartParams": _STRING_MAP,
+        "template": _POD_TEMPLATE,
+        "scaleStrategy": {"type": "object"},
+        "idleTimeoutSeconds": {"type": "integer"},
+        "suspend": {"type": "boolean"},
+    },
+}
+_RAYCLUSTER_SPEC = {
+    "type": "object",
+    "required": ["rayVersion", "headGroupSpec", "workerGroupSpecs"],
+    "additionalProperties": False,
+    "properties": {
+        "rayVersion": {"type": "string", "pattern": r"^\d+\.\d+\.\d+$"},
+        "enableInTreeAutoscaling": {"type": "boolean"},
+        "autoscalerOptions": {"type": "object"},
+        "headServiceAnnotations": _STRING_MAP,
+        "suspend": {"type": "boolean"},
+        "headGroupSpec": _HEAD_GROUP,
+        "workerGroupSpecs": {"type": "array", "minItems": 1, "items": _WORKER_GROUP},
+    },
+}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}},
+}
+
+
+def _resource(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "ray.io/v1"},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": spec,
+        },
+    }
+
+
+RAYCLUSTER_SCHEMA = _resource("RayCluster", _RAYCLUSTER_SPEC)
+RAYJOB_SCHEMA = _resource(
+    "RayJob",
+    {
+        "type": "object",
+        "required": [
+            "entrypoint", "runtimeEnvYAML", "submissionMode", "shutdownAfterJobFinishes",
+            "ttlSecondsAfterFinished", "rayClusterSpec",
+        ],
+        "additionalProperties": False,
+        "properties": {
+            "entrypoint": {"type": "string", "pattern": r"^python -m rlhf\.[A-Za-z_][\w.]*( |$)"},
+            "runtimeEnvYAML": {"type": "string"},
+            "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
+            "shutdownAfterJobFinishes": {"type": "boolean"},
+            "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
+            "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
+            "backoffLimit": {"type": "integer", "minimum": 0},
+            "suspend": {"type": "boolean"},
+            "jobId": {"type": "string"},
+            "metadata": _STRING_MAP,
+            "entrypointNumCpus": {"type": "number"},
+            "entrypointNumGpus": {"type": "number"},
+            "entrypointResources": {"type": "string"},
+            "submitterPodTemplate": _POD_TEMPLATE,
+            "submitterConfig": {"type": "object"},
+            "rayClusterSpec": _RAYCLUSTER_SPEC,
+        },
+    },
+)  # fmt: skip
+
+for _schema in (RAYCLUSTER_SCHEMA, RAYJOB_SCHEMA):
+    jsonschema.Draft202012Validator.check_schema(_schema)
+
+
+# --- validators ----------------------------------------------------------------------------------
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def _schema_errors(doc: Any, schema: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft202012Validator(schema)
+    return [
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    ]
+
+
+def _cluster_errors(spec: dict[str, Any], where: str) -> list[str]:
+    """Rules across fields, run only on a schema-valid spec."""
+    errors: list[str] = []
+    groups = [("headGroupSpec", spec["headGroupSpec"])]
+    groups += [(f"workerGroupSpecs/{i}", g) for i, g in enumerate(spec["workerGroupSpecs"])]
+    any_gpu = False
+    for path, group in groups:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            cpath = f"{where}/{path}/{c['name']}"
+            res = c.get("resources", {})
+            lim, req = res.get("limits", {}).get(GPU), res.get("requests", {}).get(GPU)
+            if lim is not None or req is not None:
+                any_gpu = True
+                # Kubernetes cannot overcommit GPUs: a request without the same limit is refused.
+                if lim is None:
+                    errors.append(f"{cpath}: requests {GPU} without limits")
+                elif req is not None and int(req) != int(lim):
+                    errors.append(f"{cpath}: {GPU} requests {req} != limits {lim}")
+            for m in c.get("volumeMounts", []):
+                if m["name"] not in volumes:
+                    errors.append(f"{cpath}: volumeMount {m['name']!r} has no volume")
+        if path.startswith("workerGroupSpecs"):
+            if not group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]:
+                errors.append(f"{where}/{path}: replicas outside [minReplicas, maxReplicas]")
+            # KubeRay runs Ray in the first container; vLLM and NCCL need a real /dev/shm there.
+            ray_container = pod["containers"][0]
+            shm = [m for m in ray_container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+            if not shm:
+                errors.append(f"{where}/{path}: /dev/shm is not mounted in {ray_container['name']}")
+            for m in shm:
+                empty_dir = volumes.get(m["name"], {}).get("emptyDir")
+                if not isinstance(empty_dir, dict) or empty_dir.get("medium") != "Memory":
+                    errors.append(f"{where}/{path}: /dev/shm volume is not an emptyDir with medium Memory")
+    if not any_gpu:
+        errors.append(f"{where}: no container requests {GPU}")
+    return errors
+
+
+def validate_raycluster(doc: Any) -> None:
+    errors = _schema_errors(doc, RAYCLUSTER_SCHEMA)
+    if not errors:
+        errors = _cluster_errors(doc["spec"], "spec")
+    if errors:
+        raise ManifestError("\n".join(errors))
+
+
+def validate_rayjob(doc: Any) -> None:
+    errors = _schema_errors(doc, RAYJOB_SCHEMA)
+    if not errors:
+        spec = doc["spec"]
+        errors = _cluster_errors(spec["rayClusterSpec"], "spec/rayClusterSpec")
+        try:
+            runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+        except yaml.YAMLError as e:
+            errors.append(f"spec/runtimeEnvYAML: not YAML: {e}")
+        else:
+            if not isinstance(runtime_env, dict):
+                errors.append("spec/runtimeEnvYAML: not a mapping")
+            elif "working_dir" in runtime_env and not str(runtime_env["working_dir"]).startswith(
+                ("s3://", "gs://", "https://")
+            ):
+                # The submitter pod has no checkout; a local path there uploads the wrong tree.
+                errors.append("spec/runtimeEnvYAML: local working_dir; the code ships in the image")
+    if errors:
+        raise ManifestError("\n".join(errors))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture
+def raycluster() -> dict[str, Any]:
+    return _load(K8S / "raycluster.yaml")
+
+
+@pytest.fixture
+def rayjob() -> dict[str, Any]:
+    return _load(K8S / "rayjob.yaml")
+
+
+@pytest.fixture
+def runtime_env() -> dict[str, Any]:
+    return _load(RUNTIME_ENV)
+
+
+# --- the real manifests --------------------------------------------------------------------------
+
+
+def test_raycluster_is_valid(raycluster: dict[str, Any]) -> None:
+    validate_raycluster(raycluster)
+    assert raycluster["spec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+
+
+def test_rayjob_is_valid(rayjob: dict[str, Any]) -> None:
+    validate_rayjob(rayjob)
+    spec = rayjob["spec"]
+    assert spec["entrypoint"].startswith("python -m rlhf.")
+    assert spec["submissionMode"] == "K8sJobMode"
+    assert spec["shutdownAfterJobFinishes"] is True
+
+
+def test_rayjob_entrypoint_resolves(rayjob: dict[str, Any]) -> None:
+    # A renamed module or config option would otherwise only fail once the GPU cluster is up.
+    _, _, module, *overrides = rayjob["spec"]["entrypoint"].split()
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    # `group=option` overrides name files under conf/.
+    checked = 0
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if (REPO / "conf" / key).is_dir():
+            assert (REPO / "conf" / key / f"{value}.yaml").is_file(), override
+            checked += 1
+    assert checked, "the entrypoint selects no config group (expected at least cluster=gpu)"
+
+
+def test_rayjob_cluster_matches_raycluster(raycluster: dict[str, Any], rayjob: dict[str, Any]) -> None:
+    assert rayjob["spec"]["rayClusterSpec"] == raycluster["spec"], (
+        "launch/k8s/rayjob.yaml's rayClusterSpec drifted from launch/k8s/raycluster.yaml's spec"
+    )
+
+
+def test_rayjob_env_vars_match_runtime_env(rayjob: dict[str, Any], runtime_env: dict[str, Any]) -> None:
+    job_env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])
+    assert job_env["env_vars"] == runtime_env["env_vars"]
+
+
+def test_ray_version_matches_pinned_ray(raycluster: dict[str, Any]) -> None:
+    # KubeRay picks the submitter's CLI syntax from rayVersion; it must be the Ray in the image.
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"ray[default]=={raycluster["spec"]["rayVersion"]}"' in pyproject
+
+
+# --- the validators reject broken manifests ------------------------------------------------------
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    return spec["workerGroupSpecs"][0]
+
+
+def _worker_container(spec: dict[str, Any]) -> dict[str, Any]:
+    return _worker(spec)["template"]["spec"]["containers"][0]
+
+
+def _dshm_volume(spec: dict[str, Any]) -> dict[str, Any]:
+    return next(v for v in _worker(spec)["template"]["spec"]["volumes"] if v["name"] == "dshm")
+
+
+CLUSTER_MUTATIONS: dict[str, Mutation] = {
+    "no-headGroupSpec": lambda s: s.pop("headGroupSpec"),
+    "no-workerGroupSpecs": lambda s: s.pop("workerGroupSpecs"),
+    "no-groupName": lambda s: _worker(s).pop("groupName"),
+    "no-maxReplicas": lambda s: _worker(s).pop("maxReplicas"),
+    "replicas-as-string": lambda s: _worker(s).update(replicas="2"),
+    "replicas-above-max": lambda s: _worker(s).update(replicas=_worker(s)["maxReplicas"] + 1),
+    "misspelt-field": lambda s: s.update(workerGroupSpec=s.pop("workerGroupSpecs")),
+    "gpu-as-word": lambda s: _worker_container(s)["resources"]["limits"].update({GPU: "eight"}),
+    "gpu-fractional": lambda s: _worker_container(s)["resources"]["limits"].update({GPU: 0.5}),
+    "gpu-requests-differ": lambda s: _worker_container(s)["resources"]["requests"].update({GPU: 4}),
+    "gpu-requests-only": lambda s: _worker_container(s)["resources"]["limits"].pop(GPU),
+    "no-gpu-anywhere": lambda s: [
+        _worker_container(s)["resources"][k].pop(GPU) for k in ("limits", "requests")
+    ],
+    "no-dev-shm": lambda s: _worker_container(s).update(
+        volumeMounts=[m for m in _worker_container(s)["volumeMounts"] if m["mountPath"] != "/dev/shm"]
+    ),
+    "dev-shm-on-disk": lambda s: _dshm_volume(s).update(emptyDir={}),
+    "mount-without-volume": lambda s: _worker(s)["template"]["spec"].update(
+        volumes=[v for v in _worker(s)["template"]["spec"]["volumes"] if v["name"] != "data"]
+    ),
+    "head-takes-work": lambda s: s["headGroupSpec"]["rayStartParams"].update({"num-cpus": "4"}),
+    "head-num-cpus-int": lambda s: s["headGroupSpec"]["rayStartParams"].update({"num-cpus": 0}),
+    "head-no-num-cpus": lambda s: s["headGroupSpec"]["rayStartParams"].pop("num-cpus"),
+    "env-value-int": lambda s: _worker_container(s)["env"].append({"name": "X", "value": 1}),
+    "no-image": lambda s: _worker_container(s).pop("image"),
+    "bad-rayVersion": lambda s: s.update(rayVersion="latest"),
+}
+
+
+@pytest.mark.parametrize("mutate", CLUSTER_MUTATIONS.values(), ids=CLUSTER_MUTATIONS.keys())
+def test_raycluster_validator_rejects(raycluster: dict[str, Any], mutate: Mutation) -> None:
+    bad = copy.deepcopy(raycluster)
+    mutate(bad["spec"])
+    with pytest.raises(ManifestError):
+        validate_raycluster(bad)
+
+
+@pytest.mark.parametrize("mutate", CLUSTER_MUTATIONS.values(), ids=CLUSTER_MUTATIONS.keys())
+def test_rayjob_validator_rejects_bad_cluster(rayjob: dict[str, Any], mutate: Mutation) -> None:
+    bad = copy.deepcopy(rayjob)
+    mutate(bad["spec"]["rayClusterSpec"])
+    with pytest.raises(ManifestError):
+        validate_rayjob(bad)
+
+
+RESOURCE_MUTATIONS: dict[str, Mutation] = {
+    "old-apiVersion": lambda d: d.update(apiVersion="ray.io/v1alpha1"),
+    "no-apiVersion": lambda d: d.pop("apiVersion"),
+    "no-metadata-name": lambda d: d["metadata"].pop("name"),
+    "bad-name": lambda d: d["metadata"].update(name="RLHF_PPO"),
+}
+
+
+@pytest.mark.parametrize("mutate", RESOURCE_MUTATIONS.values(), ids=RESOURCE_MUTATIONS.keys())
+def test_validators_reject_bad_resource(
+    raycluster: dict[str, Any], rayjob: dict[str, Any], mutate: Mutation
+) -> None:
+    for doc, validate in ((raycluster, validate_raycluster), (rayjob, validate_rayjob)):
+        bad = copy.deepcopy(doc)
+        mutate(bad)
+        with pytest.raises(ManifestError):
+            validate(bad)
+
+
+def test_validators_reject_wrong_kind(raycluster: dict[str, Any], rayjob: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError):
+        validate_raycluster(rayjob)
+    with pytest.raises(ManifestError):
+        validate_rayjob(raycluster)
+
+
+JOB_MUTATIONS: dict[str, Mutation] = {
+    "no-entrypoint": lambda s: s.pop("entrypoint"),
+    "entrypoint-not-rlhf": lambda s: s.update(entrypoint="python train.py cluster=gpu"),
+    "entrypoint-prefix-only": lambda s: s.update(entrypoint="python -m rlhf."),
+    "no-shutdown": lambda s: s.pop("shutdownAfterJobFinishes"),
+    "shutdown-as-string": lambda s: s.update(shutdownAfterJobFinishes="true"),
+    "misspelt-shutdown": lambda s: s.update(shutdownAfterJobFinish=s.pop("shutdownAfterJobFinishes")),
+    "no-ttl": lambda s: s.pop("ttlSecondsAfterFinished"),
+    "negative-ttl": lambda s: s.update(ttlSecondsAfterFinished=-1),
+    "bad-submissionMode": lambda s: s.update(submissionMode="JobMode"),
+    "no-rayClusterSpec": lambda s: s.pop("rayClusterSpec"),
+    "runtime-env-not-yaml": lambda s: s.update(runtimeEnvYAML="env_vars: [unclosed"),
+    "runtime-env-local-working-dir": lambda s: s.update(runtimeEnvYAML="working_dir: .\n"),
+}
+
+
+@pytest.mark.parametrize("mutate", JOB_MUTATIONS.values(), ids=JOB_MUTATIONS.keys())
+def test_rayjob_validator_rejects(rayjob: dict[str, Any], mutate: Mutation) -> None:
+    bad = copy.deepcopy(rayjob)
+    mutate(bad["spec"])
+    with pytest.raises(ManifestError):
+        validate_rayjob(bad)
+
+
+# --- runtime_env.yaml ----------------------------------------------------------------------------
+
+
+def test_runtime_env_loads(runtime_env: dict[str, Any]) -> None:
+    assert runtime_env["working_dir"] == "."
+    for pattern in (".git", ".venv", "outputs", "runs", "*.egg-info", "__pycache__"):
+        assert pattern in runtime_env["excludes"]
+    env = runtime_env["env_vars"]
+    assert env == {
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    # CPU-only settings belong to the CPU entry point; on a GPU cluster they would break vLLM/DeepSpeed.
+    assert not {"VLLM_CPU_KVCACHE_SPACE", "DS_ACCELERATOR"} & env.keys()
+
+
+def test_runtime_env_accepted_by_ray(runtime_env: dict[str, Any]) -> None:
+    runtime_env_mod = pytest.importorskip("ray.runtime_env")
+    runtime_env_mod.RuntimeEnv(**runtime_env)
+    # The same check fails for the unquoted form, so the test above is not vacuous.
+    with pytest.raises(TypeError):
+        runtime_env_mod.RuntimeEnv(env_vars={"HF_HUB_OFFLINE": 1})
+
+
+# --- submit.sh -----------------------------------------------------------------------------------
+
+
+def test_submit_sh_parses() -> None:
+    subprocess.run(["bash", "-n", str(SUBMIT)], check=True)
+    assert os.access(SUBMIT, os.X_OK), "launch/submit.sh is not executable"
+
+
+def test_submit_sh_help() -> None:
+    result = subprocess.run([str(SUBMIT), "-h"], capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("usage: launch/submit.sh")
+    for flag in ("--address", "--entry", "--no-wait"):
+        assert flag in result.stdout
+
+
+def test_submit_sh_rejects_unknown_option() -> None:
+    result = subprocess.run([str(SUBMIT), "--adress", "x"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "unknown option" in result.stderr
+
+
+@pytest.fixture
+def fake_ray(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A `ray` on PATH that records its arguments and working directory instead of submitting."""
+    record = tmp_path / "record"
+    fake = tmp_path / "bin" / "ray"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/usr/bin/env bash\n{{ pwd; printf "%s\\n" "$@"; }} > "{record}"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = f"{fake.parent}{os.pathsep}{env['PATH']}"
+    return env, record
+
+
+def _run_submit(env: dict[str, str], record: Path, *args: str) -> tuple[str, list[str]]:
+    subprocess.run([str(SUBMIT), *args], env=env, cwd="/", check=True)
+    cwd, *argv = record.read_text().splitlines()
+    return cwd, argv
+
+
+def test_submit_sh_builds_ray_job_submit(fake_ray: tuple[dict[str, str], Path]) -> None:
+    env, record = fake_ray
+    cwd, argv = _run_submit(
+        env,
+        record,
+        "--address",
+        "http://head:8265",
+        "--entry",
+        "rlhf.grpo",
+        "--no-wait",
+        "--",
+        "a=1",
+        "b=x y",
+    )
+    # working_dir "." in runtime_env.yaml only means the checkout when ray runs from the repo root.
+    assert Path(cwd) == REPO
+    assert argv == [
+        "job", "submit", "--address", "http://head:8265", "--runtime-env", "launch/runtime_env.yaml",
+        "--no-wait", "--", "python", "-m", "rlhf.grpo", "a=1", "b=x y",
+    ]  # fmt: skip
+
+
+def test_submit_sh_defaults(fake_ray: tuple[dict[str, str], Path]) -> None:
+    env, record = fake_ray
+    _, argv = _run_submit(env, record)
+    assert argv == [
+        "job", "submit", "--address", "http://127.0.0.1:8265", "--runtime-env", "launch/runtime_env.yaml",
+        "--", "python", "-m", "rlhf.ppo",
+    ]  # fmt: skip
+    _, argv = _run_submit({**env, "RAY_ADDRESS": "http://from-env:8265"}, record, "--", "x=1")
+    assert argv[2:4] == ["--address", "http://from-env:8265"]
+    assert argv[-1] == "x=1"
