@@ -1,0 +1,578 @@
+"""vLLM rollout engines (token-in/token-out) and the driver-side pool that shards prompts over them.
+
+``RolloutEngine`` is a plain class wrapping one ``vllm.LLM``; ``RolloutPool`` turns it into Ray
+actors (``ray.remote(num_cpus=..., num_gpus=...)`` with a ``runtime_env`` carrying the vLLM
+environment variables), spreads prompts over them in contiguous shards, syncs weights through
+the Ray object store and restarts engines that die.
+
+Completion format (one list of ``n`` completions per prompt, in input order)::
+
+    {"token_ids": [int, ...],        # response only; ends with the stop/eos token if it stopped
+     "logprobs": [float, ...],       # logprob of each sampled token (see below); None if not asked
+     "finish_reason": "stop" | "length"}
+
+Logprobs. The engine is started with ``logprobs_mode="processed_logprobs"``: the logprob of the
+sampled token under the distribution it was actually sampled from, i.e. after temperature
+scaling AND after top-k/top-p truncation (renormalised over the kept tokens). With top_k off
+(0 or -1) and top_p = 1 this is ``log_softmax(logits / temperature)``, which is what the
+trainer computes when it divides its logits by the same temperature. With top-k/top-p active
+the two differ by the truncation mass; the trainer does not truncate, so keep them off for
+on-policy PPO or treat the difference as off-policy-ness. Greedy requests (temperature 0) get
+plain ``log_softmax(logits)`` (vLLM applies no temperature to greedy rows). vLLM's default,
+``raw_logprobs``, ignores temperature entirely and would bias the importance ratio.
+
+Seeds. ``sampling["seed"] = s`` gives prompt ``i`` (global index in the pool's input) the seed
+``s + i * n``, and vLLM gives its ``n`` children ``seed + k``, so every completion has its own
+seed, identical prompts do not get identical samples, and the result does not depend on how
+many engines there are.
+
+Lengths. A prompt must leave room for one token: ``len(prompt) <= max_model_len - 1``, else the
+pool raises ``ValueError`` before anything is sent. ``max_tokens`` is clipped per prompt to
+``max_model_len - len(prompt)`` so prompt + response always fits the engine (such a response
+ends with ``finish_reason="length"``); a missing ``max_tokens`` means "up to max_model_len".
+
+GPU notes (untested here; this machine has no GPU). ``update_weights`` works unchanged on GPU
+(tensors travel CPU-side through the object store; the worker copies them onto the device).
+For large models ``init_weight_sync_group``/``receive_weights_nccl`` use vLLM's own NCCL
+weight-transfer engine (``extra={"weight_transfer_config": {"backend": "nccl"}}``). Sleep mode
+(freeing KV cache while training on the same GPU) is GPU-only and not wrapped here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SAMPLING_KEYS",
+    "RolloutEngine",
+    "RolloutEngineError",
+    "RolloutPool",
+    "check_sampling",
+    "default_engine_env",
+    "shard_bounds",
+    "validate_prompts",
+]
+
+# Keys ``generate`` understands; anything else is a typo or an unsupported vLLM option and is refused
+# rather than silently ignored.
+SAMPLING_KEYS = frozenset(
+    {"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "seed",
+     "logprobs", "ignore_eos", "repetition_penalty"}
+)
+
+# Environment the engine needs on a CPU-only host: a small KV cache (GiB) and the engine core in
+# the actor's own process (a second process per engine doubles memory and start-up time).
+CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class RolloutEngineError(RuntimeError):
+    """A rollout engine failed (and, for a dead engine, failed again after one restart)."""
+
+
+def default_engine_env(num_gpus: float) -> dict[str, str]:
+    """Env vars for an engine actor: the CPU recipe without GPUs, plus the hub/offline settings
+    of the driver so an offline cluster stays offline inside the actors."""
+    env = {} if num_gpus > 0 else dict(CPU_ENGINE_ENV)
+    if num_gpus > 0:
+        # One engine per actor, TP=1: keep the engine core in-process (no extra CUDA context).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE",
+                "VLLM_CPU_OMP_THREADS_BIND"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def check_sampling(sampling: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the key if ``sampling`` cannot be served."""
+    unknown = sorted(set(sampling) - SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown sampling keys {unknown}; supported: {sorted(SAMPLING_KEYS)}")
+    n = sampling.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"sampling['n'] must be an int >= 1, got {n!r}")
+    temperature = float(sampling.get("temperature", 1.0))
+    if temperature < 0:
+        raise ValueError(f"sampling['temperature'] must be >= 0, got {temperature}")
+    if temperature == 0 and n > 1:
+        raise ValueError(f"sampling['n']={n} with temperature 0 (greedy) would return {n} identical "
+                         "completions; vLLM refuses it: use n=1 or a temperature > 0")
+    max_tokens = sampling.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"sampling['max_tokens'] must be an int >= 1 or None, got {max_tokens!r}")
+    logprobs = sampling.get("logprobs", 0)
+    if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+        raise ValueError(f"sampling['logprobs'] must be 0 (sampled token) or None, got {logprobs!r}")
+    seed = sampling.get("seed")
+    if seed is not None and not isinstance(seed, (int, list)):
+        raise ValueError(f"sampling['seed'] must be an int, a list of ints (one per prompt) or None, got {seed!r}")
+
+
+def validate_prompts(prompts: list[list[int]], max_model_len: int) -> None:
+    """Raise ValueError if there are no prompts, one is empty, or one leaves no room for a token."""
+    if not prompts:
+        raise ValueError("generate() got an empty prompt list; pass at least one prompt (list of token ids)")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. <bos>)")
+        if len(p) > max_model_len - 1:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; rollout.max_model_len is {max_model_len}, which leaves no "
+                f"room for a response (a prompt may have at most max_model_len - 1 = {max_model_len - 1} "
+                "tokens). Raise rollout.max_model_len, lower data.max_prompt_len, or set "
+                "data.overlong_prompts=skip"
+            )
+
+
+def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges, sizes differing by at most one; empty shards are kept."""
+    base, extra = divmod(num_items, num_shards)
+    bounds, start = [], 0
+    for k in range(num_shards):
+        end = start + base + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _per_prompt_seeds(seed: int | list[int] | None, num_prompts: int, n: int, offset: int = 0) -> list[int | None]:
+    if seed is None:
+        return [None] * num_prompts
+    if isinstance(seed, list):
+        if len(seed) != num_prompts:
+            raise ValueError(f"sampling['seed'] has {len(seed)} entries for {num_prompts} prompts")
+        return list(seed)
+    return [seed + (offset + i) * n for i in range(num_prompts)]
+
+
+def _sampled_logprobs(token_ids: list[int], logprobs: Any) -> list[float]:
+    """Logprob of each sampled token from vLLM's per-position logprobs (flat or list-of-dicts)."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: no per-position dicts are built
+        out = []
+        for pos, tok in enumerate(token_ids):
+            lo, hi = logprobs.start_indices[pos], logprobs.end_indices[pos]
+            for j in range(lo, hi):
+                if logprobs.token_ids[j] == tok:
+                    out.append(float(logprobs.logprobs[j]))
+                    break
+            else:
+                raise RuntimeError(f"vLLM returned no logprob for sampled token {tok} at position {pos}")
+        return out
+    return [float(logprobs[pos][tok].logprob) for pos, tok in enumerate(token_ids)]
+
+
+def _request_amx_permission() -> None:
+    """Ask Linux for the AMX tile state before vLLM's CPU attention uses it.
+
+    On x86 with AMX, vLLM 0.32 picks its AMX attention kernel for bfloat16 but never requests
+    the XTILEDATA permission (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), so the first bf16 forward
+    dies with SIGILL unless something else (torch's oneDNN) asked first. torch's helper makes
+    that request; it is a no-op returning False on CPUs without AMX.
+    """
+    init_amx = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+    if init_amx is not None:
+        with contextlib.suppress(Exception):
+            init_amx()
+
+
+class RolloutEngine:
+    """One vLLM engine, token-in/token-out. Plain class: ``RolloutPool`` makes it a Ray actor.
+
+    Args:
+        model_path: HF model directory (config, safetensors, tokenizer).
+        max_model_len: longest prompt + response the engine accepts.
+        seed: engine seed (requests without their own seed draw from it).
+        dtype: "float32" or "bfloat16" ("auto"/"float16" are passed through to vLLM).
+        gpu_memory_utilization: fraction of GPU memory for weights + KV cache (ignored on CPU,
+            where VLLM_CPU_KVCACHE_SPACE sets the KV cache size in GiB).
+        enforce_eager: no CUDA graphs / torch.compile (fast start-up; required on CPU here).
+        tensor_parallel_size: GPUs per engine; >1 needs a multi-process executor
+            (``extra={"distributed_executor_backend": "ray"}``) and is untested here.
+        extra: more ``vllm.LLM`` keyword arguments, e.g. ``{"weight_transfer_config": {"backend": "nccl"}}``.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        max_model_len: int,
+        seed: int = 0,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        if not torch.cuda.is_available():
+            # vLLM reads these when the engine starts; an engine built outside the pool still needs them.
+            for key, value in CPU_ENGINE_ENV.items():
+                os.environ.setdefault(key, value)
+            _request_amx_permission()
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            worker_extension_cls="rlhf.workers.vllm_ext.WeightSyncExtension",
+            logprobs_mode="processed_logprobs",
+        )
+        kwargs.update(extra or {})
+        self.llm = LLM(**kwargs)
+        self.model_path = str(model_path)
+        self.max_model_len = max_model_len
+        self._stats: dict[str, Any] = {
+            "pid": os.getpid(),
+            "startup_s": time.perf_counter() - t0,
+            "generate_calls": 0,
+            "prompts": 0,
+            "completions": 0,
+            "generated_tokens": 0,
+            "generate_s": 0.0,
+            "weight_updates": 0,
+            "weight_update_s": 0.0,
+            "weight_version": 0,
+        }
+
+    def ping(self) -> str:
+        """Liveness probe; returns once the engine is constructed."""
+        return f"ok pid={os.getpid()}"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and timings since start-up (``weight_version`` = last version loaded)."""
+        return dict(self._stats)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
+        """Sample ``sampling["n"]`` completions per prompt; see the module docstring for the format.
+
+        ``sampling["seed"]`` may be an int (prompt ``i`` gets ``seed + i * n``) or one seed per prompt.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_sampling(sampling)
+        validate_prompts(prompt_token_ids, self.max_model_len)
+        t0 = time.perf_counter()
+        n = sampling.get("n", 1)
+        logprobs = sampling.get("logprobs", 0)
+        seeds = _per_prompt_seeds(sampling.get("seed"), len(prompt_token_ids), n)
+        common = {k: sampling[k] for k in ("temperature", "top_p", "top_k", "min_p", "min_tokens",
+                                           "stop_token_ids", "ignore_eos", "repetition_penalty")
+                  if sampling.get(k) is not None}
+        params = []
+        for p, seed in zip(prompt_token_ids, seeds, strict=True):
+            room = self.max_model_len - len(p)
+            max_tokens = min(sampling.get("max_tokens") or room, room)
+            params.append(SamplingParams(
+                n=n, max_tokens=max_tokens, seed=seed, logprobs=logprobs, detokenize=False,
+                flat_logprobs=True, **common,
+            ))
+        prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results: list[list[dict]] = []
+        num_tokens = 0
+        for out in outputs:
+            comps = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                num_tokens += len(ids)
+                comps.append({
+                    "token_ids": ids,
+                    "logprobs": _sampled_logprobs(ids, c.logprobs) if logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                })
+            results.append(comps)
+        s = self._stats
+        s["generate_calls"] += 1
+        s["prompts"] += len(prompt_token_ids)
+        s["completions"] += sum(len(r) for r in results)
+        s["generated_tokens"] += num_tokens
+        s["generate_s"] += time.perf_counter() - t0
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Load HF-named full tensors into every worker, then drop the prefix cache.
+
+        The prefix cache holds KV computed with the old weights; reusing it would make the
+        first tokens of every new rollout come from the previous policy.
+        """
+        t0 = time.perf_counter()
+        named_tensors = list(named_tensors)
+        self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
+        self._reset_prefix_cache()
+        self._stats["weight_updates"] += 1
+        self._stats["weight_update_s"] += time.perf_counter() - t0
+        self._stats["weight_version"] = version if version is not None else self._stats["weight_version"] + 1
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RolloutEngineError("vLLM refused to reset the prefix cache after a weight update "
+                                     "(requests still running?); stale KV would mix old and new weights")
+
+    # GPU path (untested here: no GPU on the CI machine). vLLM's own NCCL weight-transfer engine;
+    # the engine must be built with extra={"weight_transfer_config": {"backend": "nccl"}}.
+    def init_weight_sync_group(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's NCCL group (vLLM ``init_weight_transfer_engine``). UNTESTED HERE.
+
+        ``init_info`` is the worker-side dict of vLLM's NCCL backend (``master_address``,
+        ``master_port``, ``rank_offset``, ``world_size``, ...). Call it with ``.remote()`` on every
+        engine at the same time as the trainer opens rank 0, since the rendezvous blocks.
+        """
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def receive_weights_nccl(self, update_info: dict[str, Any], version: int | None = None) -> None:
+        """Receive one broadcast of weights (names/dtype_names/shapes) from trainer rank 0. UNTESTED HERE.
+
+        Blocks until the trainer broadcasts: submit with ``.remote()`` first, then broadcast.
+        """
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+        self.llm.collective_rpc("finish_weight_update")
+        self._reset_prefix_cache()
+        self._stats["weight_updates"] += 1
+        self._stats["weight_update_s"] += time.perf_counter() - t0
+        self._stats["weight_version"] = version if version is not None else self._stats["weight_version"] + 1
+
+
+def _is_engine_death(exc: BaseException) -> bool:
+    """True if ``exc`` means the engine is gone (actor died, or vLLM's engine core died inside it)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    cause: BaseException | None = exc
+    for _ in range(8):  # RayTaskError -> .cause -> __cause__ chains are short; never loop forever
+        if cause is None:
+            break
+        if type(cause).__name__ == "EngineDeadError":
+            return True
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    return False
+
+
+class RolloutPool:
+    """Driver-side pool of ``RolloutEngine`` Ray actors.
+
+    Args:
+        num_engines: number of engines (data parallel; each holds a full copy of the model).
+        engine_kwargs: ``RolloutEngine`` arguments (``model_path``, ``max_model_len``, ...).
+            Engine ``i`` gets ``seed = engine_kwargs.get("seed", 0) + i``.
+        num_cpus_per_engine, num_gpus_per_engine: Ray resources of each actor.
+        placement_group, bundle_indices: pin engine ``i`` to bundle ``bundle_indices[i]``
+            (default ``i``) of ``placement_group``.
+        env_vars: actor env vars; default ``default_engine_env(num_gpus_per_engine)``.
+        max_restarts: restarts of one engine within one ``generate``/``update_weights`` call
+            before ``RolloutEngineError`` (1 = restart and retry once).
+        keep_last_weights: keep the last synced weights in the object store so a restarted
+            engine gets them (costs one model copy of object-store memory). Without it a
+            restarted engine would silently serve the initial weights, so restarts are refused.
+        engine_cls: the engine class made into actors (``RolloutEngine``; tests pass fakes).
+    """
+
+    def __init__(
+        self,
+        num_engines: int,
+        engine_kwargs: dict[str, Any],
+        num_cpus_per_engine: float = 1,
+        num_gpus_per_engine: float = 0,
+        placement_group: Any = None,
+        bundle_indices: list[int] | None = None,
+        env_vars: dict[str, str] | None = None,
+        max_restarts: int = 1,
+        keep_last_weights: bool = True,
+        engine_cls: type = RolloutEngine,
+    ) -> None:
+        import ray
+
+        if num_engines < 1:
+            raise ValueError(f"rollout.num_engines must be >= 1, got {num_engines}")
+        if "model_path" not in engine_kwargs or "max_model_len" not in engine_kwargs:
+            raise ValueError("engine_kwargs needs 'model_path' and 'max_model_len' (rollout.max_model_len)")
+        if placement_group is not None:
+            bundle_indices = list(range(num_engines)) if bundle_indices is None else list(bundle_indices)
+            if len(bundle_indices) != num_engines:
+                raise ValueError(f"{len(bundle_indices)} bundle_indices for {num_engines} rollout engines; "
+                                 "give one bundle per engine")
+        self.num_engines = num_engines
+        self.engine_kwargs = dict(engine_kwargs)
+        self.max_model_len = int(engine_kwargs["max_model_len"])
+        self.num_cpus_per_engine = num_cpus_per_engine
+        self.num_gpus_per_engine = num_gpus_per_engine
+        self.placement_group = placement_group
+        self.bundle_indices = bundle_indices
+        self.env_vars = default_engine_env(num_gpus_per_engine) if env_vars is None else dict(env_vars)
+        self.max_restarts = max_restarts
+        self.keep_last_weights = keep_last_weights
+        self.restarts = [0] * num_engines
+        self.restarts_this_call = [0] * num_engines
+        self.weight_version = 0
+        self._weights_ref: Any = None
+        self._actor_cls = ray.remote(engine_cls)
+        self.engines = [self._create(i) for i in range(num_engines)]
+        # Wait for all engines together (they start in parallel) and say which one failed.
+        pings = [e.ping.remote() for e in self.engines]
+        for i, ref in enumerate(pings):
+            try:
+                ray.get(ref)
+            except Exception as e:
+                self.shutdown()
+                raise RolloutEngineError(f"rollout engine {i} failed to start: {e}") from e
+
+    def _create(self, i: int) -> Any:
+        opts: dict[str, Any] = {
+            "num_cpus": self.num_cpus_per_engine,
+            "num_gpus": self.num_gpus_per_engine,
+            "runtime_env": {"env_vars": self.env_vars},
+            # The pool does the restarting: it must re-sync weights before the engine serves again.
+            "max_restarts": 0,
+        }
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=self.bundle_indices[i],
+                placement_group_capture_child_tasks=True,
+            )
+        kwargs = dict(self.engine_kwargs)
+        kwargs["seed"] = int(kwargs.get("seed", 0)) + i
+        return self._actor_cls.options(**opts).remote(**kwargs)
+
+    def _restart(self, i: int, cause: BaseException) -> None:
+        """Replace engine ``i`` by a fresh actor and give it the last synced weights."""
+        import ray
+
+        done = self.restarts_this_call[i]
+        if done >= self.max_restarts:
+            what = f"died again after {done} restart(s) in this call" if done else "died"
+            raise RolloutEngineError(
+                f"rollout engine {i} {what} (rollout.max_restarts={self.max_restarts}); "
+                f"last cause: {type(cause).__name__}: {cause}"
+            ) from cause
+        if self.weight_version > 0 and self._weights_ref is None:
+            raise RolloutEngineError(
+                f"rollout engine {i} died ({type(cause).__name__}) and cannot be restarted: weights were synced "
+                "with keep_last_weights=False, so a new engine would serve stale weights"
+            ) from cause
+        self.restarts_this_call[i] += 1
+        self.restarts[i] += 1
+        with contextlib.suppress(Exception):  # usually already dead; kill in case it is only unreachable
+            ray.kill(self.engines[i], no_restart=True)
+        self.engines[i] = self._create(i)
+        try:
+            ray.get(self.engines[i].ping.remote())
+            if self._weights_ref is not None:
+                ray.get(self.engines[i].update_weights.remote(self._weights_ref, self.weight_version))
+        except Exception as e:
+            raise RolloutEngineError(
+                f"rollout engine {i} died ({type(cause).__name__}: {cause}) and its replacement failed to "
+                f"start or to load weights version {self.weight_version}: {type(e).__name__}: {e}"
+            ) from e
+
+    def _call_all(self, method: str, args_per_engine: dict[int, tuple]) -> dict[int, Any]:
+        """Call ``method`` on the given engines in parallel; restart dead ones and retry their call."""
+        import ray
+
+        self.restarts_this_call = [0] * self.num_engines
+        pending = {i: getattr(self.engines[i], method).remote(*args) for i, args in args_per_engine.items()}
+        results: dict[int, Any] = {}
+        while pending:
+            retry: dict[int, Any] = {}
+            for i, ref in pending.items():
+                try:
+                    results[i] = ray.get(ref)
+                except Exception as e:
+                    if not _is_engine_death(e):
+                        raise RolloutEngineError(
+                            f"rollout engine {i} failed in {method}: {type(e).__name__}: {e}"
+                        ) from e
+                    self._restart(i, e)
+                    retry[i] = getattr(self.engines[i], method).remote(*args_per_engine[i])
+            pending = retry
+        return results
+
+    def generate(self, prompts: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
+        """``n`` completions per prompt, in input order (see the module docstring).
+
+        Prompts are split into contiguous shards, one per engine, run in parallel. A dead engine
+        is restarted (weights re-synced) and its shard retried; a second failure raises
+        ``RolloutEngineError``. Nothing is dropped: the result has one entry per prompt.
+        """
+        check_sampling(sampling)
+        validate_prompts(prompts, self.max_model_len)
+        n = sampling.get("n", 1)
+        seeds = _per_prompt_seeds(sampling.get("seed"), len(prompts), n)
+        args: dict[int, tuple] = {}
+        bounds = shard_bounds(len(prompts), self.num_engines)
+        for i, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                shard_sampling = dict(sampling)
+                if sampling.get("seed") is not None:
+                    shard_sampling["seed"] = seeds[lo:hi]
+                args[i] = ([list(map(int, p)) for p in prompts[lo:hi]], shard_sampling)
+        results = self._call_all("generate", args)
+        out: list[list[dict]] = []
+        for i, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                shard = results[i]
+                if len(shard) != hi - lo:
+                    raise RolloutEngineError(f"rollout engine {i} returned {len(shard)} results for {hi - lo} prompts")
+                out.extend(shard)
+        return out
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Put HF-named tensors in the object store once and have every engine load them.
+
+        Tensors are detached and copied to CPU first (a CUDA tensor in the object store would pin
+        the trainer's device). The ref is kept (``keep_last_weights``) for restarted engines.
+        """
+        import ray
+
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        named = [(str(k), v.detach().to("cpu").contiguous()) for k, v in items]
+        if not named:
+            raise ValueError("update_weights got an empty state_dict")
+        ref = ray.put(named)
+        self.weight_version += 1
+        # Set before loading: an engine that dies mid-sync is restarted with THESE weights.
+        self._weights_ref = ref
+        try:
+            self._call_all("update_weights", {i: (ref, self.weight_version) for i in range(self.num_engines)})
+        finally:
+            if not self.keep_last_weights:
+                self._weights_ref = None
+
+    def ping(self) -> list[str]:
+        import ray
+
+        return ray.get([e.ping.remote() for e in self.engines])
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-engine ``RolloutEngine.stats()`` plus the pool's restart count for that engine."""
+        import ray
+
+        stats = ray.get([e.stats.remote() for e in self.engines])
+        for i, s in enumerate(stats):
+            s["restarts"] = self.restarts[i]
+        return stats
+
+    def shutdown(self) -> None:
+        """Kill all engine actors (idempotent)."""
+        import ray
+
+        for e in getattr(self, "engines", []):
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(e, no_restart=True)
+        self.engines = []
+        self._weights_ref = None
