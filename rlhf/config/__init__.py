@@ -61,4 +61,12 @@ def compose(config_name: str, overrides: list[str] | None = None) -> Any:
     return to_object(cfg)
 
 
-__all__ = ["CONF_DIR", "ConfigError", "PPOConfig", "compose", "register_configs", "register_schema", "to_object"]
+__all__ = [
+    "CONF_DIR",
+    "ConfigError",
+    "PPOConfig",
+    "compose",
+    "register_configs",
+    "register_schema",
+    "to_object",
+]

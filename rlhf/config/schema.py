@@ -85,8 +85,11 @@ class RolloutConfig:
         _check(self.num_engines >= 1, "rollout.num_engines must be >= 1")
         _check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
-        _check(self.temperature > 0, "rollout.temperature must be > 0 for RL (sampling), got "
-               f"{self.temperature}; greedy rollouts give no exploration")
+        _check(
+            self.temperature > 0,
+            "rollout.temperature must be > 0 for RL (sampling), got "
+            f"{self.temperature}; greedy rollouts give no exploration",
+        )
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
 
 
@@ -102,11 +105,16 @@ class RewardConfig:
         _one_of("reward.type", self.type, ("function", "model"))
         _one_of("reward.non_finite", self.non_finite, ("error", "drop"))
         if self.type == "function":
-            _check(":" in self.function, f"reward.function={self.function!r} must look like 'module:fn' "
-                   "or 'path/to/file.py:fn'")
+            _check(
+                ":" in self.function,
+                f"reward.function={self.function!r} must look like 'module:fn' or 'path/to/file.py:fn'",
+            )
         else:
-            _check(bool(self.model_path), "reward.type=model needs reward.model_path (a reward-model dir "
-                   "trained with `python -m rlhf.rm`)")
+            _check(
+                bool(self.model_path),
+                "reward.type=model needs reward.model_path (a reward-model dir "
+                "trained with `python -m rlhf.rm`)",
+            )
 
 
 @dataclass
@@ -138,7 +146,9 @@ class AlgorithmConfig:
         _one_of("algorithm.advantage", self.advantage, ADVANTAGES)
         _one_of("algorithm.kl_kind", self.kl_kind, KL_KINDS)
         _one_of("algorithm.loss_aggregation", self.loss_aggregation, AGGREGATIONS)
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]")
+        _check(
+            0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]"
+        )
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algorithm.dual_clip must be 0 (off) or > 1")
 
     @property
@@ -211,13 +221,19 @@ class PPOConfig:
     def __post_init__(self) -> None:
         group_adv = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
         if self.algorithm.advantage in group_adv:
-            _check(self.rollout.n_samples_per_prompt >= 2,
-                   f"algorithm.advantage={self.algorithm.advantage} compares samples of the same prompt: "
-                   "set rollout.n_samples_per_prompt >= 2")
-        _check(self.data.max_prompt_len < self.rollout.max_model_len,
-               f"data.max_prompt_len ({self.data.max_prompt_len}) must be < rollout.max_model_len "
-               f"({self.rollout.max_model_len}) to leave room for a response")
+            _check(
+                self.rollout.n_samples_per_prompt >= 2,
+                f"algorithm.advantage={self.algorithm.advantage} compares samples of the same prompt: "
+                "set rollout.n_samples_per_prompt >= 2",
+            )
+        _check(
+            self.data.max_prompt_len < self.rollout.max_model_len,
+            f"data.max_prompt_len ({self.data.max_prompt_len}) must be < rollout.max_model_len "
+            f"({self.rollout.max_model_len}) to leave room for a response",
+        )
         longest = self.rollout.max_model_len
-        _check(self.train.max_tokens_per_microbatch >= longest,
-               f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) must be >= "
-               f"rollout.max_model_len ({longest}) so every sample fits one micro-batch")
+        _check(
+            self.train.max_tokens_per_microbatch >= longest,
+            f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) must be >= "
+            f"rollout.max_model_len ({longest}) so every sample fits one micro-batch",
+        )

@@ -63,15 +63,20 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str = "row") -
         text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         full = tokenizer(text, add_special_tokens=False)["input_ids"]
         if full[: len(ids)] != ids:
-            raise DataRowError(f"{where}: the chat template is not prefix-stable at message {i}; "
-                               "tokenize with a template that renders earlier turns unchanged")
-        new = full[len(ids):]
+            raise DataRowError(
+                f"{where}: the chat template is not prefix-stable at message {i}; "
+                "tokenize with a template that renders earlier turns unchanged"
+            )
+        new = full[len(ids) :]
         if m["role"] == "assistant":
             if not m["content"].strip():
                 raise DataRowError(f"{where}: message {i} is an empty assistant turn")
             # The turn's role header is prompt, not target: mask only what follows it.
-            header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) \
-                if i else None
+            header = (
+                tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                if i
+                else None
+            )
             head_len = 0
             if header is not None:
                 h = tokenizer(header, add_special_tokens=False)["input_ids"]
@@ -103,8 +108,9 @@ def iter_rows(source: str | Path, kind: str, num_toy: int = 256, seed: int = 0) 
     yield from iter_jsonl(source)
 
 
-def load_sft(path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256,
-             seed: int = 0) -> tuple[list[Sample], int]:
+def load_sft(
+    path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256, seed: int = 0
+) -> tuple[list[Sample], int]:
     """SFT rows -> Samples. Returns ``(samples, num_skipped_overlong)``."""
     out, skipped = [], 0
     for lineno, row in iter_rows(path, "sft", num_toy, seed):
@@ -114,7 +120,9 @@ def load_sft(path: str | Path, tokenizer, max_len: int, overlong: str = "error",
         elif "prompt" in row and "completion" in row:
             if not isinstance(row["completion"], str) or not row["completion"].strip():
                 raise DataRowError(f"{where}: field 'completion' is empty")
-            msgs = _messages(row["prompt"], where, "prompt") + [{"role": "assistant", "content": row["completion"]}]
+            msgs = _messages(row["prompt"], where, "prompt") + [
+                {"role": "assistant", "content": row["completion"]}
+            ]
         else:
             raise DataRowError(f"{where}: missing field 'messages' (or 'prompt' and 'completion')")
         s = tokenize_conversation(tokenizer, msgs, where)
@@ -122,16 +130,19 @@ def load_sft(path: str | Path, tokenizer, max_len: int, overlong: str = "error",
             if overlong == "skip":
                 skipped += 1
                 continue
-            raise DataRowError(f"{where}: {len(s)} tokens, more than data.max_len={max_len}; raise it or set "
-                               "data.overlong=skip")
+            raise DataRowError(
+                f"{where}: {len(s)} tokens, more than data.max_len={max_len}; raise it or set "
+                "data.overlong=skip"
+            )
         out.append(s)
     if not out:
         raise DataRowError(f"{path}: no usable rows")
     return out, skipped
 
 
-def load_preferences(path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256,
-                     seed: int = 0) -> tuple[list[tuple[Sample, Sample]], int]:
+def load_preferences(
+    path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256, seed: int = 0
+) -> tuple[list[tuple[Sample, Sample]], int]:
     """Preference rows -> (chosen, rejected) Sample pairs sharing the prompt."""
     pairs, skipped = [], 0
     for lineno, row in iter_rows(path, "pref", num_toy, seed):
@@ -144,14 +155,21 @@ def load_preferences(path: str | Path, tokenizer, max_len: int, overlong: str = 
         for field in ("chosen", "rejected"):
             value = row[field]
             if not isinstance(value, str) or not value.strip():
-                raise DataRowError(f"{where}: field {field!r} is empty (an empty completion cannot be scored)")
-            pair.append(tokenize_conversation(tokenizer, prompt + [{"role": "assistant", "content": value}],
-                                              f"{where} ({field})"))
+                raise DataRowError(
+                    f"{where}: field {field!r} is empty (an empty completion cannot be scored)"
+                )
+            pair.append(
+                tokenize_conversation(
+                    tokenizer, prompt + [{"role": "assistant", "content": value}], f"{where} ({field})"
+                )
+            )
         if max(len(pair[0]), len(pair[1])) > max_len:
             if overlong == "skip":
                 skipped += 1
                 continue
-            raise DataRowError(f"{where}: longer than data.max_len={max_len}; raise it or set data.overlong=skip")
+            raise DataRowError(
+                f"{where}: longer than data.max_len={max_len}; raise it or set data.overlong=skip"
+            )
         pairs.append((pair[0], pair[1]))
     if not pairs:
         raise DataRowError(f"{path}: no usable rows")

@@ -61,8 +61,12 @@ def truncate_sample(s: Sample, max_len: int) -> Sample:
     kw = {name: (t[:max_len] if t is not None else None) for name, t in _token_fields(s).items()}
     info = dict(s.info, truncated_from=len(s))
     return Sample(
-        input_ids=s.input_ids[:max_len], action_mask=s.action_mask[:max_len], score=s.score,
-        group_id=s.group_id, info=info, **kw,
+        input_ids=s.input_ids[:max_len],
+        action_mask=s.action_mask[:max_len],
+        score=s.score,
+        group_id=s.group_id,
+        info=info,
+        **kw,
     )
 
 
@@ -135,21 +139,24 @@ def pack(
     return out
 
 
-def balance_bins(batches: list[FlatBatch], world_size: int) -> list[list[FlatBatch]]:
+def balance_bins(batches: list[FlatBatch], world_size: int) -> list[list[FlatBatch | None]]:
     """Deal micro-batches to ``world_size`` ranks, each rank getting the same number.
 
     Data-parallel ranks must run the same number of forward/backward passes, since ZeRO
-    reduces gradients collectively. Bins go longest-first to the rank with the fewest
-    tokens; a rank short of bins gets ``None`` slots, which the worker runs as a
+    reduces gradients collectively. Bins go longest-first to the rank with the fewest bins,
+    then tokens; a rank short of bins gets ``None`` slots, which the worker runs as a
     zero-weight step on a tiny dummy row so the collectives still line up.
     """
-    per_rank: list[list[FlatBatch]] = [[] for _ in range(world_size)]
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    per_rank: list[list[FlatBatch | None]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for mb in sorted(batches, key=lambda m: -m.num_tokens):
         r = min(range(world_size), key=lambda k: (len(per_rank[k]), load[k]))
         per_rank[r].append(mb)
         load[r] += mb.num_tokens
-    return per_rank
+    slots = max(len(x) for x in per_rank)
+    return [x + [None] * (slots - len(x)) for x in per_rank]
 
 
 def unpack(flat: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
@@ -157,14 +164,14 @@ def unpack(flat: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     if flat.dim() >= 2 and flat.shape[0] == 1 and int(cu_seqlens[-1]) != 1:
         flat = flat.squeeze(0)
     if flat.shape[0] != int(cu_seqlens[-1]):
-        raise ValueError(f"flat tensor has {flat.shape[0]} tokens but cu_seqlens ends at {int(cu_seqlens[-1])}")
+        raise ValueError(
+            f"flat tensor has {flat.shape[0]} tokens but cu_seqlens ends at {int(cu_seqlens[-1])}"
+        )
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     return list(torch.split(flat, lens, dim=0))
 
 
-def scatter_to_samples(
-    samples: list[Sample], batch: FlatBatch, name: str, flat: torch.Tensor
-) -> None:
+def scatter_to_samples(samples: list[Sample], batch: FlatBatch, name: str, flat: torch.Tensor) -> None:
     """Write a flat per-token output of ``batch`` into field ``name`` of the original samples."""
     for i, part in zip(batch.sample_index.tolist(), unpack(flat, batch.cu_seqlens), strict=True):
         setattr(samples[i], name, part.detach().float().cpu())

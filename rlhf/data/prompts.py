@@ -41,22 +41,33 @@ def read_jsonl(path: str | Path, key: str) -> list[list[dict]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
             if key not in row:
-                raise ValueError(f"{path}:{lineno}: missing field {key!r} (set data.prompt_key to the field name)")
+                raise ValueError(
+                    f"{path}:{lineno}: missing field {key!r} (set data.prompt_key to the field name)"
+                )
             value = row[key]
             if isinstance(value, str):
                 if not value.strip():
                     raise ValueError(f"{path}:{lineno}: field {key!r} is empty")
                 value = [{"role": "user", "content": value}]
             if not isinstance(value, list) or not all(isinstance(m, dict) and "content" in m for m in value):
-                raise ValueError(f"{path}:{lineno}: field {key!r} must be a string or a list of chat messages")
+                raise ValueError(
+                    f"{path}:{lineno}: field {key!r} must be a string or a list of chat messages"
+                )
             rows.append(value)
     if not rows:
         raise ValueError(f"{path}: no prompts found")
     return rows
 
 
-def load_prompts(source: str, tokenizer, key: str = "prompt", num_toy: int = 256, seed: int = 0,
-                 max_len: int | None = None, overlong: str = "error") -> tuple[list[Prompt], int]:
+def load_prompts(
+    source: str,
+    tokenizer,
+    key: str = "prompt",
+    num_toy: int = 256,
+    seed: int = 0,
+    max_len: int | None = None,
+    overlong: str = "error",
+) -> tuple[list[Prompt], int]:
     """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``.
 
     ``overlong="error"`` raises on a prompt over ``max_len`` tokens naming
@@ -82,7 +93,9 @@ def load_prompts(source: str, tokenizer, key: str = "prompt", num_toy: int = 256
             )
         prompts.append(Prompt(text=text, token_ids=ids, info={"index": i}))
     if not prompts:
-        raise ValueError(f"data.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}")
+        raise ValueError(
+            f"data.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}"
+        )
     return prompts, skipped
 
 
@@ -91,7 +104,9 @@ class PromptLoader:
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seed: int = 0):
         if batch_size > len(prompts):
-            raise ValueError(f"train.rollout_batch_size={batch_size} exceeds the {len(prompts)} prompts available")
+            raise ValueError(
+                f"train.rollout_batch_size={batch_size} exceeds the {len(prompts)} prompts available"
+            )
         self.prompts, self.batch_size, self.seed = prompts, batch_size, seed
         self.epoch, self.pos = 0, 0
         self._order = self._shuffle()

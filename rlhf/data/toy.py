@@ -18,12 +18,16 @@ def toy_sft_rows(n: int, seed: int = 0) -> list[dict]:
         prompt, nxt = _count_prompt(rng)
         first = " ".join(str(nxt + i) for i in range(3))
         second = " ".join(str(nxt + 3 + i) for i in range(3))
-        rows.append({"messages": [
-            {"role": "user", "content": prompt},
-            {"role": "assistant", "content": first},
-            {"role": "user", "content": "next"},
-            {"role": "assistant", "content": second},
-        ]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": prompt},
+                    {"role": "assistant", "content": first},
+                    {"role": "user", "content": "next"},
+                    {"role": "assistant", "content": second},
+                ]
+            }
+        )
     return rows
 
 

@@ -80,12 +80,18 @@ class Sample:
 def validate_sample(s: Sample) -> None:
     """Raise ValueError naming the field if ``s`` breaks the contract."""
     if s.input_ids.dim() != 1 or s.input_ids.numel() == 0:
-        raise ValueError(f"Sample.input_ids must be a non-empty 1-D tensor, got shape {tuple(s.input_ids.shape)}")
+        raise ValueError(
+            f"Sample.input_ids must be a non-empty 1-D tensor, got shape {tuple(s.input_ids.shape)}"
+        )
     n = s.input_ids.numel()
     if s.action_mask.shape != (n,):
-        raise ValueError(f"Sample.action_mask must have shape ({n},) like input_ids, got {tuple(s.action_mask.shape)}")
+        raise ValueError(
+            f"Sample.action_mask must have shape ({n},) like input_ids, got {tuple(s.action_mask.shape)}"
+        )
     if bool(s.action_mask[0]):
-        raise ValueError("Sample.action_mask[0] must be False: a sample starts with at least one prompt token")
+        raise ValueError(
+            "Sample.action_mask[0] must be False: a sample starts with at least one prompt token"
+        )
     for name in TOKEN_FIELDS:
         t = getattr(s, name)
         if t is not None and t.shape != (n,):

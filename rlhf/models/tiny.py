@@ -30,10 +30,10 @@ CHAT_TEMPLATE = (
 def default_corpus() -> list[str]:
     """Words the toy tasks use: digits, number words, a few letters and common words."""
     words = [str(i) for i in range(100)]
-    words += "zero one two three four five six seven eight nine ten".split()
+    words += ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
     words += list("abcdefghijklmnopqrstuvwxyz")
-    words += "count add sum the a is and what next please answer repeat say yes no ok".split()
-    words += "tool result call search user assistant system hello world good bad".split()
+    words += ["count", "add", "sum", "the", "a", "is", "and", "what", "next", "please", "answer", "repeat", "say", "yes", "no", "ok"]
+    words += ["tool", "result", "call", "search", "user", "assistant", "system", "hello", "world", "good", "bad"]
     return [" ".join(words)]
 
 
@@ -42,7 +42,7 @@ def build_tokenizer(out_dir: str | os.PathLike, corpus: list[str] | None = None)
 
     Returns the loaded ``PreTrainedTokenizerFast`` (pad/bos/eos set, chat template set).
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
@@ -107,7 +107,12 @@ def build_tiny_model(
     model.save_pretrained(str(out), safe_serialization=True)
     # generation_config carries eos so vLLM and HF generate stop at the same token.
     (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-                    "pad_token_id": tok.pad_token_id})
+        json.dumps(
+            {
+                "bos_token_id": tok.bos_token_id,
+                "eos_token_id": tok.eos_token_id,
+                "pad_token_id": tok.pad_token_id,
+            }
+        )
     )
     return out

@@ -66,7 +66,9 @@ def score_with_function(
         try:
             scores.append(float(s))
         except (TypeError, ValueError) as e:
-            raise RewardFunctionError(f"{fn_name} returned {s!r} for sample {i}; it must return a float") from e
+            raise RewardFunctionError(
+                f"{fn_name} returned {s!r} for sample {i}; it must return a float"
+            ) from e
     return scores
 
 

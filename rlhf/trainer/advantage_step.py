@@ -49,10 +49,14 @@ def compute_advantages(batch: FlatBatch, cfg) -> tuple[torch.Tensor, torch.Tenso
         rewards = token_level_rewards(scores, kl_r, cfg.kl_coef, mask, cu)
         adv, returns = gae(batch.values, rewards, mask, cu, gamma=cfg.gamma, lam=cfg.lam)
     elif adv_kind == "reinforce_pp":
-        adv = reinforce_pp_returns(token_level_rewards(scores, kl_r, cfg.kl_coef, mask, cu), mask, cu, cfg.gamma)
+        adv = reinforce_pp_returns(
+            token_level_rewards(scores, kl_r, cfg.kl_coef, mask, cu), mask, cu, cfg.gamma
+        )
     elif adv_kind == "reinforce_pp_baseline":
         base = reinforce_pp_baseline(scores, batch.group_ids)
-        adv = reinforce_pp_returns(token_level_rewards(base, kl_r, cfg.kl_coef, mask, cu), mask, cu, cfg.gamma)
+        adv = reinforce_pp_returns(
+            token_level_rewards(base, kl_r, cfg.kl_coef, mask, cu), mask, cu, cfg.gamma
+        )
     else:
         seq = scores
         if kl_r is not None:

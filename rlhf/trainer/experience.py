@@ -28,7 +28,10 @@ class RolloutStats:
 def sampling_params(cfg, n: int) -> dict[str, Any]:
     """Rollout config -> the engine's sampling dict."""
     return {
-        "n": n, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+        "n": n,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
         "max_tokens": cfg.max_new_tokens,
     }
 
@@ -44,8 +47,12 @@ def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
         action_mask=torch.tensor([False] * len(p) + [True] * len(r)),
         rollout_logprobs=torch.tensor([0.0] * len(p) + lp, dtype=torch.float32),
         group_id=group_id,
-        info={**prompt.info, "prompt": prompt.text, "prompt_len": len(p),
-              "finish_reason": completion.get("finish_reason")},
+        info={
+            **prompt.info,
+            "prompt": prompt.text,
+            "prompt_len": len(p),
+            "finish_reason": completion.get("finish_reason"),
+        },
     )
 
 
@@ -64,11 +71,20 @@ class _Trajectory:
         self.lp += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
     def to_sample(self) -> Sample:
-        info = {**self.prompt.info, "prompt": self.prompt.text, "prompt_len": len(self.prompt.token_ids),
-                "finish_reason": self.finish_reason, "env_reward": self.env_reward}
-        return Sample(input_ids=torch.tensor(self.ids), action_mask=torch.tensor(self.mask),
-                      rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32),
-                      group_id=self.group_id, info=info)
+        info = {
+            **self.prompt.info,
+            "prompt": self.prompt.text,
+            "prompt_len": len(self.prompt.token_ids),
+            "finish_reason": self.finish_reason,
+            "env_reward": self.env_reward,
+        }
+        return Sample(
+            input_ids=torch.tensor(self.ids),
+            action_mask=torch.tensor(self.mask),
+            rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32),
+            group_id=self.group_id,
+            info=info,
+        )
 
 
 class ExperienceMaker:
@@ -81,8 +97,18 @@ class ExperienceMaker:
         env_factory: builds a fresh multi-turn ``Env`` per trajectory, or None.
     """
 
-    def __init__(self, cfg, tokenizer, rollout, actor, reference=None, critic=None, reward_model=None,
-                 reward_fn: Callable | None = None, env_factory: Callable | None = None):
+    def __init__(
+        self,
+        cfg,
+        tokenizer,
+        rollout,
+        actor,
+        reference=None,
+        critic=None,
+        reward_model=None,
+        reward_fn: Callable | None = None,
+        env_factory: Callable | None = None,
+    ):
         self.cfg, self.tok, self.rollout = cfg, tokenizer, rollout
         self.actor, self.reference, self.critic, self.reward_model = actor, reference, critic, reward_model
         self.reward_fn, self.env_factory = reward_fn, env_factory
@@ -158,8 +184,11 @@ class ExperienceMaker:
         clip = self.cfg.reward.clip
         for s, r in zip(samples, scores, strict=True):
             s.score = max(-clip, min(clip, r)) if clip > 0 else r
-        for name, group in (("old_logprobs", self.actor), ("ref_logprobs", self.reference),
-                            ("values", self.critic)):
+        for name, group in (
+            ("old_logprobs", self.actor),
+            ("ref_logprobs", self.reference),
+            ("values", self.critic),
+        ):
             if group is not None:
                 for s, out in zip(samples, group.forward(samples, self.budget), strict=True):
                     setattr(s, name, out.float())
@@ -172,6 +201,11 @@ class ExperienceMaker:
         if self.reward_model is not None:
             return [float(o.reshape(-1)[0]) for o in self.reward_model.forward(samples, self.budget)]
         prompts = [s.info.get("prompt", "") for s in samples]
-        responses = [self.tok.decode(s.input_ids[s.info.get("prompt_len", 0):].tolist()) for s in samples]
-        return score_with_function(self.reward_fn, prompts, responses, [s.info for s in samples],
-                                   fn_name=f"reward.function={self.cfg.reward.function!r}")
+        responses = [self.tok.decode(s.input_ids[s.info.get("prompt_len", 0) :].tolist()) for s in samples]
+        return score_with_function(
+            self.reward_fn,
+            prompts,
+            responses,
+            [s.info for s in samples],
+            fn_name=f"reward.function={self.cfg.reward.function!r}",
+        )

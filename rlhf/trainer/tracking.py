@@ -12,8 +12,15 @@ log = logging.getLogger("rlhf")
 class Tracker:
     """Writes scalar metrics to every configured sink; also keeps them in ``history``."""
 
-    def __init__(self, output_dir: str, total_steps: int, tensorboard: bool = True, wandb_project: str = "",
-                 config: dict | None = None, start_step: int = 0):
+    def __init__(
+        self,
+        output_dir: str,
+        total_steps: int,
+        tensorboard: bool = True,
+        wandb_project: str = "",
+        config: dict | None = None,
+        start_step: int = 0,
+    ):
         from tqdm import tqdm
 
         self.dir = Path(output_dir)
@@ -42,7 +49,9 @@ class Tracker:
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        shown = {k: f"{metrics[k]:.3g}" for k in ("reward/mean", "kl", "policy/clip_fraction") if k in metrics}
+        shown = {
+            k: f"{metrics[k]:.3g}" for k in ("reward/mean", "kl", "policy/clip_fraction") if k in metrics
+        }
         self.bar.set_postfix(shown)
         self.bar.update(1)
         log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))

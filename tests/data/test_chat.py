@@ -12,20 +12,33 @@ def tok(tmp_path_factory):
 
 
 def _tokens(tok, s):
-    return [(tok.convert_ids_to_tokens(int(i)), bool(m)) for i, m in zip(s.input_ids, s.action_mask, strict=True)]
+    return [
+        (tok.convert_ids_to_tokens(int(i)), bool(m)) for i, m in zip(s.input_ids, s.action_mask, strict=True)
+    ]
 
 
 def test_multi_turn_mask_covers_only_assistant_turns(tok):
-    s = tokenize_conversation(tok, [
-        {"role": "user", "content": "count 1 2"}, {"role": "assistant", "content": "3 4"},
-        {"role": "tool", "content": "result ok"}, {"role": "assistant", "content": "5"},
-    ])
+    s = tokenize_conversation(
+        tok,
+        [
+            {"role": "user", "content": "count 1 2"},
+            {"role": "assistant", "content": "3 4"},
+            {"role": "tool", "content": "result ok"},
+            {"role": "assistant", "content": "5"},
+        ],
+    )
     marked = [t for t, m in _tokens(tok, s) if m]
     assert marked == ["3", "4", "<|end|>", "<eos>", "5", "<|end|>", "<eos>"]
     # the text round-trips through the template: nothing dropped or duplicated
     assert tok.decode(s.input_ids.tolist()) == tok.apply_chat_template(
-        [{"role": "user", "content": "count 1 2"}, {"role": "assistant", "content": "3 4"},
-         {"role": "tool", "content": "result ok"}, {"role": "assistant", "content": "5"}], tokenize=False)
+        [
+            {"role": "user", "content": "count 1 2"},
+            {"role": "assistant", "content": "3 4"},
+            {"role": "tool", "content": "result ok"},
+            {"role": "assistant", "content": "5"},
+        ],
+        tokenize=False,
+    )
 
 
 def _write(path, rows):
@@ -35,10 +48,12 @@ def _write(path, rows):
 
 @pytest.mark.parametrize(
     ("row", "msg"),
-    [({"text": "x"}, "missing field 'messages'"),
-     ({"prompt": "count 1", "completion": "  "}, "'completion' is empty"),
-     ({"messages": [{"role": "user"}]}, r"messages\[0\]"),
-     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant tokens")],
+    [
+        ({"text": "x"}, "missing field 'messages'"),
+        ({"prompt": "count 1", "completion": "  "}, "'completion' is empty"),
+        ({"messages": [{"role": "user"}]}, r"messages\[0\]"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant tokens"),
+    ],
 )
 def test_sft_bad_rows_name_the_row(tok, tmp_path, row, msg):
     f = _write(tmp_path / "d.jsonl", [{"prompt": "count 1", "completion": "2"}, row])
@@ -57,8 +72,13 @@ def test_preferences_bad_rows(tok, tmp_path):
 
 
 def test_overlong_rows_error_or_skip(tok, tmp_path):
-    f = _write(tmp_path / "d.jsonl", [{"prompt": "count 1", "completion": "2"},
-                                      {"prompt": "count " + " ".join(["1"] * 80), "completion": "2"}])
+    f = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "count 1", "completion": "2"},
+            {"prompt": "count " + " ".join(["1"] * 80), "completion": "2"},
+        ],
+    )
     with pytest.raises(DataRowError, match="data.max_len=32"):
         load_sft(f, tok, max_len=32)
     samples, skipped = load_sft(f, tok, max_len=32, overlong="skip")

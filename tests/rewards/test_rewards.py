@@ -25,8 +25,12 @@ def test_load_by_module_and_by_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("spec", "msg"),
-    [("no_colon", "module:fn"), ("rlhf.nope:f", "cannot import"), ("rlhf.rewards.toy:missing", "no callable"),
-     ("/nonexistent/file.py:f", "does not exist")],
+    [
+        ("no_colon", "module:fn"),
+        ("rlhf.nope:f", "cannot import"),
+        ("rlhf.rewards.toy:missing", "no callable"),
+        ("/nonexistent/file.py:f", "does not exist"),
+    ],
 )
 def test_bad_specs_name_the_field(spec, msg):
     with pytest.raises(ValueError, match=msg) as e:

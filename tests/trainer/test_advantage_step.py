@@ -18,9 +18,17 @@ def _samples(seed=0):
             mask[3:] = True
             if k == 2:  # multi-turn: an observation span in the middle
                 mask[6:8] = False
-            out.append(Sample(input_ids=torch.arange(n), action_mask=mask, score=float(torch.rand(1, generator=g)),
-                              group_id=group, old_logprobs=-torch.rand(n, generator=g),
-                              ref_logprobs=-torch.rand(n, generator=g), values=torch.randn(n, generator=g)))
+            out.append(
+                Sample(
+                    input_ids=torch.arange(n),
+                    action_mask=mask,
+                    score=float(torch.rand(1, generator=g)),
+                    group_id=group,
+                    old_logprobs=-torch.rand(n, generator=g),
+                    ref_logprobs=-torch.rand(n, generator=g),
+                    values=torch.randn(n, generator=g),
+                )
+            )
     return out
 
 
@@ -44,8 +52,9 @@ def _ref_gae(s: Sample, kl_coef: float, gamma: float, lam: float):
 
 def test_gae_step_matches_loop_reference():
     samples = _samples()
-    cfg = AlgorithmConfig(advantage="gae", kl_kind="k1", kl_coef=0.05, gamma=0.99, lam=0.9,
-                          normalize_advantages=False)
+    cfg = AlgorithmConfig(
+        advantage="gae", kl_kind="k1", kl_coef=0.05, gamma=0.99, lam=0.9, normalize_advantages=False
+    )
     advantage_step(samples, cfg)
     for s in samples:
         adv, ret = _ref_gae(s, 0.05, 0.99, 0.9)
@@ -67,8 +76,12 @@ def test_grpo_step_matches_group_reference():
 
 def test_rloo_with_kl_in_reward_uses_penalised_scores():
     samples = _samples()
-    advantage_step(samples, AlgorithmConfig(advantage="rloo", kl_kind="k1", kl_coef=0.1, normalize_advantages=False))
-    pen = {id(x): x.score - 0.1 * float((x.old_logprobs - x.ref_logprobs)[x.action_mask].sum()) for x in samples}
+    advantage_step(
+        samples, AlgorithmConfig(advantage="rloo", kl_kind="k1", kl_coef=0.1, normalize_advantages=False)
+    )
+    pen = {
+        id(x): x.score - 0.1 * float((x.old_logprobs - x.ref_logprobs)[x.action_mask].sum()) for x in samples
+    }
     for s in samples:
         others = [pen[id(x)] for x in samples if x.group_id == s.group_id and x is not s]
         expected = pen[id(s)] - sum(others) / len(others)
@@ -88,8 +101,15 @@ def test_every_estimator_zero_off_mask_and_whitened(kind):
 
 def test_empty_response_sample_does_not_poison_the_batch():
     samples = _samples()
-    empty = Sample(input_ids=torch.arange(4), action_mask=torch.zeros(4, dtype=torch.bool), score=1.0, group_id=0,
-                   old_logprobs=torch.zeros(4), ref_logprobs=torch.zeros(4), values=torch.zeros(4))
+    empty = Sample(
+        input_ids=torch.arange(4),
+        action_mask=torch.zeros(4, dtype=torch.bool),
+        score=1.0,
+        group_id=0,
+        old_logprobs=torch.zeros(4),
+        ref_logprobs=torch.zeros(4),
+        values=torch.zeros(4),
+    )
     samples.append(empty)
     for kind in ("gae", "grpo"):
         advantage_step(samples, AlgorithmConfig(advantage=kind))

@@ -1,0 +1,58 @@
+"""Packed DPO entry point: (chosen, rejected) pairs against a frozen reference.
+
+python -m rlhf.dpo                                   # tiny run on the local CPU (toy:count pairs)
+python -m rlhf.dpo dpo.beta=0.2 data.path=prefs.jsonl model=hf model.path=runs/sft/final
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from rlhf.config import register_configs, to_object
+
+register_configs()
+log = logging.getLogger("rlhf")
+
+
+def load_pairs(cfg, tokenizer):
+    """``(train, eval)`` (chosen, rejected) pairs from ``data.path``; a malformed row raises ``DataRowError``."""
+    from rlhf.data.chat import load_preferences
+    from rlhf.trainer.sft_trainer import split_eval
+
+    d = cfg.data
+    pairs, skipped = load_preferences(d.path, tokenizer, d.max_len, d.overlong, d.num_toy, d.seed)
+    if skipped:
+        log.warning("skipped %d pairs longer than data.max_len=%d", skipped, d.max_len)
+    return split_eval(pairs, d.eval_size, d.seed)
+
+
+def run(cfg) -> list[dict]:
+    """Train from a validated ``DPOConfig``; the policy lands in ``<train.output_dir>/final``. Returns metrics."""
+    from transformers import AutoTokenizer
+
+    from rlhf.trainer.dpo_trainer import DPOTrainer, fill_reference
+    from rlhf.trainer.setup import init_ray, prepare_model_dir
+    from rlhf.trainer.sft_trainer import count_steps, model_group
+
+    model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
+    train, held_out = load_pairs(cfg, AutoTokenizer.from_pretrained(model_dir))
+    init_ray(cfg.cluster)
+    budget = cfg.train.max_tokens_per_microbatch
+    # The reference is only needed once: score everything, then give its resources to the policy.
+    with model_group(cfg, "reference", cfg.dpo.ref_path or model_dir, cfg.cluster.ref_ranks) as reference:
+        fill_reference(reference, [*train, *held_out], budget)
+    steps = count_steps(len(train), cfg.train)
+    with model_group(cfg, "actor", model_dir, cfg.cluster.actor_ranks, cfg.train.lr, steps) as policy:
+        return DPOTrainer(cfg, policy, train, held_out).fit()
+
+
+@hydra.main(config_path="../conf", config_name="dpo", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(to_object(cfg))
+
+
+if __name__ == "__main__":
+    main()

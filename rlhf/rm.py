@@ -1,0 +1,44 @@
+"""Reward-model entry point: pairwise (Bradley-Terry) training on (chosen, rejected) pairs.
+
+    python -m rlhf.rm                                    # tiny run on the local CPU (toy:count pairs)
+    python -m rlhf.ppo reward.type=model reward.model_path=runs/rm_toy_count/final   # use it in PPO
+
+The result, ``<train.output_dir>/final``, is an ``AutoModelForSequenceClassification``
+(``num_labels=1``) directory with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from rlhf.config import register_configs, to_object
+
+register_configs()
+
+
+def run(cfg) -> list[dict]:
+    """Train from a validated ``RMConfig``; returns the metric history."""
+    from transformers import AutoTokenizer
+
+    from rlhf.dpo import load_pairs
+    from rlhf.trainer.rm_trainer import RMTrainer
+    from rlhf.trainer.setup import init_ray, prepare_model_dir
+    from rlhf.trainer.sft_trainer import count_steps, model_group
+
+    model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
+    train, held_out = load_pairs(cfg, AutoTokenizer.from_pretrained(model_dir))
+    init_ray(cfg.cluster)
+    steps = count_steps(len(train), cfg.train)
+    # "critic" is the trainable sequence-score role (see rlhf.trainer.rm_trainer).
+    with model_group(cfg, "critic", model_dir, cfg.cluster.reward_ranks, cfg.train.lr, steps) as group:
+        return RMTrainer(cfg, group, train, held_out).fit()
+
+
+@hydra.main(config_path="../conf", config_name="rm", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(to_object(cfg))
+
+
+if __name__ == "__main__":
+    main()

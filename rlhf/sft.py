@@ -1,0 +1,53 @@
+"""Packed supervised fine-tuning entry point (loss on the assistant turns only).
+
+python -m rlhf.sft                                   # tiny run on the local CPU (toy:count chats)
+python -m rlhf.sft data.path=chats.jsonl model=hf model.path=/models/M train.epochs=3
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig
+
+from rlhf.config import register_configs, to_object
+
+register_configs()
+log = logging.getLogger("rlhf")
+
+
+def load_data(cfg, tokenizer):
+    """``(train, eval)`` samples from ``data.path``; a malformed row raises ``DataRowError`` naming it."""
+    from rlhf.data.chat import load_sft
+    from rlhf.trainer.sft_trainer import split_eval
+
+    d = cfg.data
+    samples, skipped = load_sft(d.path, tokenizer, d.max_len, d.overlong, d.num_toy, d.seed)
+    if skipped:
+        log.warning("skipped %d rows longer than data.max_len=%d", skipped, d.max_len)
+    return split_eval(samples, d.eval_size, d.seed)
+
+
+def run(cfg) -> list[dict]:
+    """Train from a validated ``SFTConfig``; the model lands in ``<train.output_dir>/final``. Returns metrics."""
+    from transformers import AutoTokenizer
+
+    from rlhf.trainer.setup import init_ray, prepare_model_dir
+    from rlhf.trainer.sft_trainer import SFTTrainer, count_steps, model_group
+
+    model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
+    train, held_out = load_data(cfg, AutoTokenizer.from_pretrained(model_dir))
+    init_ray(cfg.cluster)
+    steps = count_steps(len(train), cfg.train)
+    with model_group(cfg, "actor", model_dir, cfg.cluster.actor_ranks, cfg.train.lr, steps) as group:
+        return SFTTrainer(cfg, group, train, held_out).fit()
+
+
+@hydra.main(config_path="../conf", config_name="sft", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(to_object(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The PPO/GRPO/REINFORCE++/RLOO driver: a thin ``fit()`` over named steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from rlhf.algorithms.masking import masked_mean
+from rlhf.data.packing import concat
+from rlhf.data.prompts import PromptLoader
+from rlhf.data.types import Sample
+from rlhf.trainer.advantage_step import advantage_step
+from rlhf.trainer.experience import ExperienceMaker, RolloutStats
+from rlhf.trainer.objectives import PolicyObjective, ValueObjective
+from rlhf.trainer.tracking import Tracker
+
+log = logging.getLogger("rlhf")
+
+
+class PPOTrainer:
+    """Runs ``train.num_steps`` RL steps with the given workers (see ``setup.build_workers``)."""
+
+    def __init__(self, cfg, workers, tokenizer, loader: PromptLoader, reward_fn=None, env_factory=None):
+        self.cfg, self.w, self.tok, self.loader = cfg, workers, tokenizer, loader
+        # A critic group may exist (shared workers, resumed runs) while the estimator needs none.
+        self.critic = workers.critic if cfg.algorithm.uses_critic else None
+        self.maker = ExperienceMaker(
+            cfg,
+            tokenizer,
+            workers.rollout,
+            workers.actor,
+            workers.reference,
+            self.critic,
+            workers.reward_model,
+            reward_fn,
+            env_factory,
+        )
+        a = cfg.algorithm
+        self.policy_objective = PolicyObjective(
+            clip_eps_low=a.clip_eps_low,
+            clip_eps_high=a.clip_eps_high,
+            dual_clip=a.dual_clip or None,
+            kl_coef_in_loss=0.0 if a.kl_in_reward or workers.reference is None else a.kl_coef,
+            kl_kind=a.kl_kind,
+            entropy_coef=a.entropy_coef,
+            temperature=cfg.rollout.temperature,
+            aggregation=a.loss_aggregation,
+        )
+        self.value_objective = ValueObjective(clip_eps=a.value_clip or None, aggregation=a.loss_aggregation)
+        self.out = Path(cfg.train.output_dir)
+        self.step = 0
+
+    def fit(self) -> list[dict]:
+        """generate -> score -> advantages -> train -> sync weights, once per step."""
+        t = self.cfg.train
+        if t.resume:
+            self.try_resume()
+        tracker = Tracker(
+            str(self.out),
+            t.num_steps,
+            t.tensorboard,
+            t.wandb_project,
+            config=asdict(self.cfg),
+            start_step=self.step,
+        )
+        try:
+            while self.step < t.num_steps:
+                t0 = time.perf_counter()
+                samples, rstats = self.maker.generate(self.loader.next_batch(), self.step)
+                t_gen = time.perf_counter()
+                samples = self.maker.score(samples, rstats)
+                adv_stats = advantage_step(samples, self.cfg.algorithm)
+                train_stats = self.train(samples)
+                self.sync_weights()
+                self.step += 1
+                elapsed = time.perf_counter() - t0
+                tracker.log(
+                    self.step,
+                    {
+                        **self.rollout_metrics(samples, rstats),
+                        **adv_stats,
+                        **train_stats,
+                        "time/generate_s": t_gen - t0,
+                        "time/step_s": elapsed,
+                        "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed,
+                    },
+                )
+                if (t.save_every and self.step % t.save_every == 0) or self.step == t.num_steps:
+                    self.save()
+        finally:
+            tracker.close()
+        return tracker.history
+
+    def train(self, samples: list[Sample]) -> dict[str, float]:
+        """PPO epochs over packed micro-batches for the actor (and the critic for GAE)."""
+        t = self.cfg.train
+        stats: dict[str, float] = {}
+        for _ in range(t.ppo_epochs):
+            if self.critic is not None:
+                cstats = self.critic.train(
+                    samples, self.value_objective, t.max_tokens_per_microbatch, t.num_minibatches
+                )
+                stats.update({f"critic/{k}": v for k, v in cstats.items()})
+            astats = self.w.actor.train(
+                samples, self.policy_objective, t.max_tokens_per_microbatch, t.num_minibatches
+            )
+            stats.update({f"policy/{k}": v for k, v in astats.items()})
+        return stats
+
+    def sync_weights(self) -> None:
+        self.w.rollout.update_weights(self.w.actor.get_weights())
+
+    @staticmethod
+    def rollout_metrics(samples: list[Sample], rstats: RolloutStats) -> dict[str, float]:
+        batch = concat(samples)
+        scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
+        m = {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std()) if len(samples) > 1 else 0.0,
+            "response/length_mean": float(
+                torch.tensor([s.num_actions for s in samples], dtype=torch.float32).mean()
+            ),
+            "rollout/empty_responses": rstats.empty_responses,
+            "rollout/truncated": rstats.truncated,
+            "rollout/dropped_non_finite": rstats.dropped_non_finite,
+        }
+        if batch.rollout_logprobs is not None and batch.old_logprobs is not None and batch.action_mask.any():
+            # Engine vs trainer logprob gap: large values mean the weight sync or sampling is off.
+            gap = (batch.rollout_logprobs - batch.old_logprobs).abs()
+            m["rollout/logprob_gap"] = float(masked_mean(gap, batch.action_mask))
+        return m
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self) -> Path:
+        """Actor/critic DeepSpeed checkpoints plus step and data position; updates ``latest``."""
+        path = self.out / "checkpoints" / f"step_{self.step}"
+        state = {"step": self.step, "loader": self.loader.state_dict()}
+        self.w.actor.save_checkpoint(str(path / "actor"), state)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(path / "critic"), state)
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        (self.out / "checkpoints" / "latest").write_text(path.name)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def try_resume(self) -> bool:
+        latest = self.out / "checkpoints" / "latest"
+        if not latest.is_file():
+            return False
+        path = self.out / "checkpoints" / latest.read_text().strip()
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.w.actor.load_checkpoint(str(path / "actor"))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(path / "critic"))
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        self.sync_weights()
+        log.info("resumed from %s at step %d", path, self.step)
+        return True

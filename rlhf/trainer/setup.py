@@ -1,0 +1,150 @@
+"""Building a run: Ray, the model directory, tokenizer, placement, engines and model groups.
+
+This is the "where things run" half of the system: it reads ``cluster.*`` and decides
+placement groups and resources; the groups and engines it builds do not know about it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rlhf")
+
+# Env every worker process needs on CPU; harmless on GPU.
+CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "DS_ACCELERATOR": "cpu",
+}
+
+
+def init_ray(cluster) -> None:
+    """Join ``cluster.address`` or start a local Ray with ``cluster.num_cpus`` logical CPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = (
+        dict(CPU_ENV)
+        if cluster.device == "cpu"
+        else {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    )
+    runtime_env = {"env_vars": env}
+    if cluster.address:
+        ray.init(address=cluster.address, runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env)
+
+
+def prepare_model_dir(model_cfg, output_dir: str) -> str:
+    """``model.path``, or a tiny random-init model built once under ``output_dir``."""
+    if model_cfg.path:
+        if not Path(model_cfg.path, "config.json").is_file():
+            raise ValueError(
+                f"model.path={model_cfg.path!r} is not a Hugging Face model directory (no config.json)"
+            )
+        return model_cfg.path
+    from rlhf.models.tiny import build_tiny_model
+
+    out = Path(output_dir) / "tiny_model"
+    if not (out / "config.json").is_file():
+        t = model_cfg.tiny
+        build_tiny_model(
+            out,
+            arch=t.arch,
+            hidden_size=t.hidden_size,
+            num_layers=t.num_layers,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            intermediate_size=t.intermediate_size,
+            seed=t.seed,
+        )
+    return str(out)
+
+
+def ds_config(train, lr: float) -> dict[str, Any]:
+    return {
+        "zero_stage": train.zero_stage,
+        "bf16": train.bf16,
+        "lr": lr,
+        "weight_decay": train.weight_decay,
+        "grad_clip": train.grad_clip,
+        "warmup_steps": train.warmup_steps,
+    }
+
+
+@dataclass
+class Workers:
+    rollout: Any
+    actor: Any
+    reference: Any = None
+    critic: Any = None
+    reward_model: Any = None
+
+    def shutdown(self) -> None:
+        for w in (self.rollout, self.actor, self.reference, self.critic, self.reward_model):
+            if w is not None:
+                w.shutdown()
+
+
+def build_workers(cfg, model_dir: str) -> Workers:
+    """Rollout engines and DeepSpeed groups placed per ``cluster.*``."""
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.placement import Placement, create_placement_group
+    from rlhf.workers.rollout import RolloutPool
+
+    c, a, t = cfg.cluster, cfg.algorithm, cfg.train
+    roles: list[tuple[str, int, str, float]] = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
+    if a.kl_coef > 0:
+        roles.append(("reference", c.ref_ranks, model_dir, 0.0))
+    if a.uses_critic:
+        roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
+    if cfg.reward.type == "model":
+        roles.append(("reward", c.reward_ranks, cfg.reward.model_path, 0.0))
+    placements: dict[str, Placement] = {}
+    if c.colocate:
+        # Rank i of every role shares bundle i (OpenRLHF colocation); each actor asks its share.
+        n = max(r[1] for r in roles)
+        pg = create_placement_group(
+            n, c.cpus_per_worker * len(roles), c.gpus_per_worker * len(roles), name="rlhf-train"
+        )
+        for role, ranks, _, _ in roles:
+            placements[role] = Placement.on_bundles(pg, ranks, c.cpus_per_worker, c.gpus_per_worker)
+    else:
+        for role, ranks, _, _ in roles:
+            pg = create_placement_group(ranks, c.cpus_per_worker, c.gpus_per_worker, name=f"rlhf-{role}")
+            placements[role] = Placement.on_bundles(pg, ranks, c.cpus_per_worker, c.gpus_per_worker)
+    groups = {
+        role: ModelGroup(
+            role, path, ranks, ds_config(t, lr), placements[role], attn_impl=cfg.model.attn_impl, seed=t.seed
+        )
+        for role, ranks, path, lr in roles
+    }
+    r = cfg.rollout
+    pool = RolloutPool(
+        r.num_engines,
+        {
+            "model_path": model_dir,
+            "max_model_len": r.max_model_len,
+            "seed": t.seed,
+            "dtype": r.dtype,
+            "gpu_memory_utilization": r.gpu_memory_utilization,
+            "enforce_eager": r.enforce_eager,
+        },
+        num_cpus_per_engine=c.cpus_per_engine,
+        num_gpus_per_engine=c.gpus_per_engine,
+        max_restarts=r.max_restarts,
+    )
+    return Workers(
+        rollout=pool,
+        actor=groups["actor"],
+        reference=groups.get("reference"),
+        critic=groups.get("critic"),
+        reward_model=groups.get("reward"),
+    )

@@ -1,0 +1,193 @@
+"""Packed SFT, and the epoch loop shared with the DPO and reward-model trainers.
+
+A trainer holds a fixed data set of *units* (one ``Sample`` for SFT, a (chosen, rejected)
+pair for DPO/RM), and its ``fit()`` runs epochs over shuffled batches of
+``train.batch_size`` units: one ``ModelGroup.train`` call, hence exactly one optimizer
+step, per batch. Packing, dealing micro-batches to ranks and loss normalisation all live
+in the group and the objective; the trainer only decides what goes into a step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.data.types import Sample
+from rlhf.trainer.objectives import SFTObjective
+from rlhf.trainer.tracking import Tracker
+
+__all__ = ["SFTTrainer", "SupervisedTrainer", "count_steps", "model_group", "split_eval"]
+
+log = logging.getLogger("rlhf")
+Unit = tuple[Sample, ...]
+
+
+def split_eval(units: Sequence[Any], eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:
+    """``(train, eval)``: ``eval_size`` units drawn at random (seeded), the rest for training."""
+    if eval_size >= len(units):
+        raise ValueError(
+            f"data.eval_size={eval_size} leaves nothing to train on: the data has only "
+            f"{len(units)} rows; lower data.eval_size"
+        )
+    order = list(range(len(units)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:eval_size])
+    return [u for i, u in enumerate(units) if i not in held], [units[i] for i in sorted(held)]
+
+
+def count_steps(num_units: int, train) -> int:
+    """Optimizer steps of a run: one per batch (the last one may be smaller), capped by ``train.max_steps``."""
+    total = train.epochs * math.ceil(num_units / train.batch_size)
+    return min(total, train.max_steps) if train.max_steps else total
+
+
+@contextmanager
+def model_group(cfg, role: str, path: str, num_ranks: int, lr: float = 0.0, total_steps: int = 0):
+    """A ``ModelGroup`` on a placement group of its own, both released on exit."""
+    import ray
+
+    from rlhf.trainer.setup import ds_config
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.placement import Placement, create_placement_group
+
+    c, t = cfg.cluster, cfg.train
+    ds = ds_config(t, lr)
+    if t.lr_schedule == "cosine":
+        ds.update(lr_schedule="cosine", total_steps=max(total_steps, t.warmup_steps + 1))
+    pg = create_placement_group(num_ranks, c.cpus_per_worker, c.gpus_per_worker, name=f"rlhf-{role}")
+    try:
+        placement = Placement.on_bundles(pg, num_ranks, c.cpus_per_worker, c.gpus_per_worker)
+        group = ModelGroup(role, path, num_ranks, ds, placement, attn_impl=cfg.model.attn_impl, seed=t.seed)
+        try:
+            yield group
+        finally:
+            group.shutdown()
+    finally:
+        ray.util.remove_placement_group(pg)
+
+
+class SupervisedTrainer:
+    """Epochs over shuffled batches of units -> ``group.train``; eval after every epoch; save at the end.
+
+    Subclasses set ``objective`` and implement ``evaluate``; a unit of more than one sample
+    (a pair) is passed to the group as ``units`` so it is never split across micro-batches.
+    """
+
+    objective: Any = None
+
+    def __init__(self, cfg, group, train_units: Sequence[Unit], eval_units: Sequence[Unit] = ()):
+        if not train_units:
+            raise ValueError("nothing to train on: the training set is empty")
+        self.cfg, self.group = cfg, group
+        self.train_units, self.eval_units = list(train_units), list(eval_units)
+        self.out = Path(cfg.train.output_dir)
+        self.step = 0
+
+    @property
+    def total_steps(self) -> int:
+        return count_steps(len(self.train_units), self.cfg.train)
+
+    def batches(self, epoch: int) -> Iterator[list[Unit]]:
+        """This epoch's batches: a fresh seeded shuffle every epoch, the last batch may be smaller."""
+        order = list(range(len(self.train_units)))
+        random.Random(self.cfg.train.seed * 100003 + epoch).shuffle(order)
+        bs = self.cfg.train.batch_size
+        for i in range(0, len(order), bs):
+            yield [self.train_units[j] for j in order[i : i + bs]]
+
+    def schedule(self) -> Iterator[tuple[float, bool, list[Unit]]]:
+        """``(epochs done after this batch, last batch of its epoch?, batch)`` over every epoch."""
+        for epoch in range(self.cfg.train.epochs):
+            batches = list(self.batches(epoch))
+            for i, batch in enumerate(batches):
+                yield epoch + (i + 1) / len(batches), i == len(batches) - 1, batch
+
+    def train_step(self, batch: Sequence[Unit]) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns the group's stats."""
+        samples, units = flatten_units(batch)
+        return self.group.train(
+            samples,
+            self.objective,
+            self.cfg.train.max_tokens_per_microbatch,
+            num_minibatches=1,
+            units=units if len(batch[0]) > 1 else None,
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def fit(self) -> list[dict]:
+        """Train ``train.epochs`` epochs (or ``train.max_steps``), save ``<output_dir>/final``; return metrics."""
+        t = self.cfg.train
+        total = self.total_steps
+        tracker = Tracker(str(self.out), total, t.tensorboard, t.wandb_project, config=asdict(self.cfg))
+        log.info(
+            "%s: %d training units, %d held out, %d optimizer steps",
+            type(self).__name__,
+            len(self.train_units),
+            len(self.eval_units),
+            total,
+        )
+        try:
+            for progress, epoch_end, batch in itertools.islice(self.schedule(), total):
+                t0 = time.perf_counter()
+                stats = self.train_step(batch)
+                self.step += 1
+                metrics = {f"train/{k}": v for k, v in stats.items() if k != "num_optimizer_steps"}
+                metrics.update(
+                    {
+                        "epoch": progress,
+                        "time/step_s": time.perf_counter() - t0,
+                        "train/units": float(len(batch)),
+                    }
+                )
+                if (epoch_end or self.step == total) and self.eval_units:
+                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                tracker.log(self.step, metrics)
+            final = self.out / "final"
+            self.group.save_hf(str(final))
+            log.info("saved the trained model to %s", final)
+        finally:
+            tracker.close()
+        return tracker.history
+
+
+def flatten_units(batch: Sequence[Unit]) -> tuple[list[Sample], list[list[int]]]:
+    """Samples of ``batch`` in order, and each unit's indices into them (``[[0, 1], [2, 3], ...]`` for pairs)."""
+    samples: list[Sample] = []
+    units: list[list[int]] = []
+    for u in batch:
+        units.append(list(range(len(samples), len(samples) + len(u))))
+        samples.extend(u)
+    return samples, units
+
+
+class SFTTrainer(SupervisedTrainer):
+    """Negative log-likelihood of the assistant tokens (``Sample.action_mask``), packed."""
+
+    def __init__(self, cfg, group, train_samples: Sequence[Sample], eval_samples: Sequence[Sample] = ()):
+        super().__init__(cfg, group, [(s,) for s in train_samples], [(s,) for s in eval_samples])
+        self.objective = SFTObjective(aggregation=cfg.sft.aggregation)
+
+    def evaluate(self) -> dict[str, float]:
+        """Token-mean NLL of the held-out assistant tokens (whatever ``sft.aggregation`` trains with)."""
+        samples = [u[0] for u in self.eval_units]
+        return {
+            "loss": sft_nll(self.group.forward(samples, self.cfg.train.max_tokens_per_microbatch), samples)
+        }
+
+
+def sft_nll(logprobs: Sequence[torch.Tensor], samples: Sequence[Sample]) -> float:
+    """Token-mean NLL over the action tokens of ``samples`` given their per-token logprobs."""
+    nll = sum(float(-lp[s.action_mask].sum()) for s, lp in zip(samples, logprobs, strict=True))
+    return nll / max(1, sum(s.num_actions for s in samples))

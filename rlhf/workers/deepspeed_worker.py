@@ -1,0 +1,452 @@
+"""One data-parallel rank of a DeepSpeed-managed model (actor, critic, reference or reward).
+
+``ModelWorker`` is a plain class; ``rlhf.workers.group.ModelGroup`` starts one instance per
+rank as a Ray actor. DeepSpeed and transformers are imported inside so that the driver,
+which only packs samples and gathers results, never pays for them.
+
+Gradient accumulation is ours, not DeepSpeed's: the engine is configured with
+``train_micro_batch_size_per_gpu=1`` and ``gradient_accumulation_steps=1`` (so
+``engine.backward`` does not rescale the loss), and every train call marks the accumulation
+boundary by hand with ``engine.set_gradient_accumulation_boundary(i == last)`` before each
+backward, then calls ``engine.step()`` once: exactly one optimizer step per call, however
+many packed micro-batches this rank was dealt. Loss normalisation lives in the objective
+(see ``rlhf.trainer.objectives``).
+
+The HF model is wrapped in ``_Call``, a parameter-less module whose forward runs a given
+function on the HF model. Every forward therefore goes through ``engine.forward``, which is
+what installs DeepSpeed's backward prologue (ZeRO bookkeeping) on the outputs, whatever the
+function does inside (``model(...)`` for logprobs, ``model.model`` + ``model.score`` for
+values).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rlhf.data.types import FlatBatch
+
+__all__ = ["ROLES", "DeepSpeedSettings", "ModelWorker", "build_ds_config"]
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "critic", "reference", "reward")
+TRAINABLE_ROLES = ("actor", "critic")
+# Elements gathered at once under ZeRO-3 by get_weights (bounds the transient full copy).
+_GATHER_BUCKET_NUMEL = 1 << 27
+_CLIENT_KEY = "rlhf_client_state"
+
+
+@dataclass
+class DeepSpeedSettings:
+    """DeepSpeed and optimizer settings of one model group (a plain dict crosses Ray)."""
+
+    zero_stage: int = 2
+    bf16: bool = False
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at total_steps)
+    total_steps: int = 0
+    min_lr_ratio: float = 0.0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    gradient_checkpointing: bool = False
+    zero3_init: bool = True  # ZeRO-3: build the model partitioned (deepspeed.zero.Init)
+    dist_timeout_s: float = 1800.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | DeepSpeedSettings | None) -> DeepSpeedSettings:
+        if isinstance(d, DeepSpeedSettings):
+            return d
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown DeepSpeed settings {unknown}; known: {sorted(known)}")
+        s = cls(**d)
+        s.betas = tuple(s.betas)  # type: ignore[assignment]
+        if s.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {s.zero_stage}")
+        if s.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {s.lr_schedule!r}")
+        if s.lr_schedule == "cosine" and s.total_steps <= s.warmup_steps:
+            raise ValueError("lr_schedule='cosine' needs total_steps > warmup_steps")
+        return s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_ds_config(s: DeepSpeedSettings, world_size: int, train: bool) -> dict[str, Any]:
+    """DeepSpeed JSON config: one sample row per micro-step, accumulation handled by the worker."""
+    pin = torch.cuda.is_available()
+    zero: dict[str, Any] = {"stage": s.zero_stage}
+    if train and s.offload_optimizer and s.zero_stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if s.offload_param and s.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": s.bf16},
+        "gradient_clipping": s.grad_clip,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        # A client torch AdamW: DeepSpeed's fused/CPU Adam compile C++/CUDA for minutes.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if train and s.bf16 and s.zero_stage > 0:
+        # Accumulating many micro-batches in bf16 loses the small ones.
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def _lr_lambda(s: DeepSpeedSettings) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        if s.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - s.warmup_steps) / max(1, s.total_steps - s.warmup_steps))
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class _Call(torch.nn.Module):
+    """Parameter-less wrapper: ``engine(fn, *args)`` runs ``fn(hf_model, *args)`` inside engine.forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(self.model, *args, **kwargs)
+
+
+def _full_shape(p: torch.nn.Parameter) -> torch.Size:
+    return getattr(p, "ds_shape", p.shape)
+
+
+class ModelWorker:
+    """One rank of a model group. All ranks of a group must receive the same calls in the same order.
+
+    Args:
+        role: ``actor``/``reference`` (causal LM, outputs logprobs), ``critic`` (value model
+            initialised from a causal-LM dir, outputs per-token values) or ``reward``
+            (sequence-classification dir, outputs one score per sample).
+        model_dir: HF model directory.
+        rank, world_size: data-parallel rank and size of this group.
+        master_addr, master_port: rendezvous of this group's process group.
+        ds: ``DeepSpeedSettings`` fields as a dict.
+        attn_impl: passed to ``rlhf.models.forward.prepare_model_for_packing``.
+        seed: torch seed (value-head init, dropout).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        model_dir: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        ds: dict[str, Any] | None = None,
+        attn_impl: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        os.environ.update(
+            MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port), RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            # Ray gives each actor only its own GPU(s), so the local device is always 0.
+            LOCAL_RANK="0",
+        )
+        import deepspeed
+
+        self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
+        self.settings = DeepSpeedSettings.from_dict(ds)
+        self.trainable = role in TRAINABLE_ROLES
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+            auto_mpi_discovery=False, verbose=False, timeout=timedelta(seconds=self.settings.dist_timeout_s),
+        )
+        torch.manual_seed(seed)
+        self.ds_config = build_ds_config(self.settings, world_size, train=self.trainable)
+        self.zero3 = self.settings.zero_stage == 3
+        self.hf_model = self._build_model(attn_impl)
+        self.engine = self._build_engine()
+
+    # ------------------------------------------------------------------ setup
+    def _build_model(self, attn_impl: str) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        from rlhf.models.forward import build_value_model, prepare_model_for_packing
+
+        dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
+        if self.zero3 and self.settings.zero3_init:
+            if importlib.util.find_spec("accelerate") is not None:
+                from transformers.integrations import HfDeepSpeedConfig
+
+                # Alive => from_pretrained builds the model under deepspeed.zero.Init, partitioned
+                # from the start, instead of every rank materialising the full model first.
+                self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+            elif self.rank == 0:
+                logger.warning("ZeRO-3 without zero.Init (transformers needs `accelerate` for it): every "
+                               "rank loads the full model before DeepSpeed partitions it")
+        if self.role in ("actor", "reference"):
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        else:
+            model = build_value_model(self.model_dir, init_from_causal_lm=self.role == "critic", dtype=dtype)
+        if not hasattr(next(model.parameters()), "ds_id"):
+            # On its device first, so that attn_impl="auto" can pick flash-attn on a GPU.
+            model.to(self.device)
+        prepare_model_for_packing(model, attn_impl=attn_impl)
+        if self.trainable and self.settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not self.trainable:
+            model.requires_grad_(False)
+        return model
+
+    def _optimizer_groups(self) -> list[dict[str, Any]]:
+        decay, no_decay = [], []
+        for p in self.hf_model.parameters():
+            if p.requires_grad:
+                # Biases and norm weights (1-D) are not decayed, as usual for transformers.
+                (decay if len(_full_shape(p)) >= 2 else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return [g for g in groups if g["params"]]
+
+    def _build_engine(self) -> Any:
+        import deepspeed
+
+        wrapper = _Call(self.hf_model)
+        if self.trainable:
+            s = self.settings
+            optim = torch.optim.AdamW(
+                self._optimizer_groups(), lr=s.lr, betas=s.betas, eps=s.eps,
+                fused=self.device.type == "cuda" and not s.offload_optimizer,
+            )
+            sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(s))
+            engine, *_ = deepspeed.initialize(
+                model=wrapper, optimizer=optim, lr_scheduler=sched, config=self.ds_config
+            )
+            return engine
+        if self.zero3:
+            engine, *_ = deepspeed.initialize(model=wrapper, config=self.ds_config)
+            engine.eval()
+            return engine
+        # Inference-only without ZeRO-3 partitioning: DeepSpeed would add nothing.
+        self.hf_model.to(self.device).eval()
+        return None
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.engine is not None:
+            return self.engine(fn, *args)
+        return fn(self.hf_model, *args)
+
+    def _set_train(self, mode: bool) -> None:
+        (self.engine if self.engine is not None else self.hf_model).train(mode)
+
+    def info(self) -> dict[str, Any]:
+        """Rank, device, parameter count and optimizer steps taken (also a readiness probe)."""
+        n = sum(math.prod(_full_shape(p)) for p in self.hf_model.parameters())
+        steps = int(self.engine.global_steps) if self.trainable else 0
+        attn = self.hf_model.config._attn_implementation
+        return {"role": self.role, "rank": self.rank, "device": str(self.device), "num_params": n,
+                "global_steps": steps, "attn_impl": attn}
+
+    # ---------------------------------------------------------------- compute
+    def _forward_fn(self, temperature: float) -> Callable[[torch.nn.Module, FlatBatch], torch.Tensor]:
+        from rlhf.models import forward as fwd
+
+        if self.role in ("actor", "reference"):
+            def fn(model: torch.nn.Module, mb: FlatBatch) -> torch.Tensor:
+                return fwd.packed_logprobs(model, mb, temperature=temperature)[0]
+            return fn
+        if self.role == "critic":
+            return fwd.packed_hidden_values
+        return fwd.packed_sequence_scores
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[FlatBatch | None], temperature: float = 1.0) -> list[torch.Tensor | None]:
+        """Per-token logprobs (actor/reference), values (critic) or per-sample scores (reward).
+
+        ``None`` slots return None; under ZeRO-3 they still run a dummy forward because the
+        parameter all-gathers are collective.
+        """
+        from rlhf.trainer.objectives import dummy_flat_batch
+
+        self._set_train(False)
+        fn = self._forward_fn(temperature)
+        out: list[torch.Tensor | None] = []
+        for mb in micro_batches:
+            if mb is None:
+                if self.zero3:
+                    self._run(fn, dummy_flat_batch(device=self.device))
+                out.append(None)
+                continue
+            out.append(self._run(fn, mb.to(self.device)).detach().float().cpu())
+        return out
+
+    def train_step(
+        self, micro_batches: list[FlatBatch | None], objective: Any, loss_normalizer: float
+    ) -> dict[str, float]:
+        """Accumulate gradients over ``micro_batches`` and take exactly one optimizer step.
+
+        Args:
+            micro_batches: this rank's packed micro-batches; ``None`` slots (this rank got
+                fewer than others) run ``objective.dummy_batch()`` at zero weight.
+            objective: ``rlhf.trainer.objectives.Objective``.
+            loss_normalizer: sum of ``objective.loss_weight(mb)`` over every micro-batch of
+                the mini-batch on every rank.
+
+        Returns:
+            Stats of this rank: each objective stat averaged with weights ``loss_weight``,
+            ``_weight`` (their sum, for averaging over ranks), ``grad_norm`` and ``lr`` (the
+            learning rate this step used).
+        """
+        if not self.trainable:
+            raise RuntimeError(f"the {self.role} model is inference-only; train_step needs actor or critic")
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch slot (None for a dummy)")
+        self._set_train(True)
+        engine = self.engine
+        sums: dict[str, list[float]] = {}
+        weights: list[float] = []
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            engine.set_gradient_accumulation_boundary(i == last)
+            if mb is None:
+                batch, weight = objective.dummy_batch().to(self.device), 0.0
+            else:
+                batch, weight = mb.to(self.device), float(objective.loss_weight(mb))
+            # DeepSpeed divides the summed gradient by world_size; the scale undoes that.
+            scale = weight / loss_normalizer * self.world_size if loss_normalizer > 0 else 0.0
+            loss, stats = engine(objective, batch, scale)
+            engine.backward(loss)
+            if mb is not None:
+                weights.append(weight)
+                for k, v in stats.items():
+                    sums.setdefault(k, []).append(float(v))
+        lr = float(engine.optimizer.param_groups[0]["lr"])
+        # Without ZeRO, DeepSpeed only computes the norm when clipping; the grads are already
+        # all-reduced after the boundary backward, so compute it here.
+        own_norm = self._grad_norm() if self.settings.zero_stage == 0 else None
+        engine.step()
+        total = sum(weights)
+        w = weights if total > 0 else [1.0] * len(weights)
+        out = {k: sum(a * b for a, b in zip(w, vals, strict=True)) / max(sum(w), 1e-30) for k, vals in sums.items()}
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = own_norm if grad_norm is None else grad_norm
+        out.update(_weight=total, _count=float(len(weights)), lr=lr,
+                   grad_norm=float(grad_norm) if grad_norm is not None else float("nan"))
+        return out
+
+    def _grad_norm(self) -> float | None:
+        grads = [p.grad.detach().float() for p in self.hf_model.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+    # ---------------------------------------------------------------- weights
+    def get_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full state dict in HF naming on rank 0 (None elsewhere). Collective under ZeRO-3."""
+        model = self.hf_model
+        params = dict(model.named_parameters())
+        by_id: dict[int, torch.Tensor] = {}
+        if self.zero3:
+            import deepspeed
+
+            for bucket in self._gather_buckets(list(params.values())):
+                with deepspeed.zero.GatheredParameters(bucket, modifier_rank=None):
+                    if self.rank == 0:
+                        by_id.update({id(p): p.data.detach().cpu().clone() for p in bucket})
+        elif self.rank == 0:
+            by_id = {id(p): p.detach().cpu().clone() for p in params.values()}
+        if self.rank != 0:
+            return None
+        # state_dict keeps tied weights under both names and persistent buffers.
+        return {
+            k: by_id[id(v)] if id(v) in by_id else v.detach().cpu().clone()
+            for k, v in model.state_dict(keep_vars=True).items()
+        }
+
+    @staticmethod
+    def _gather_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            n = math.prod(_full_shape(p))
+            if buckets[-1] and size + n > _GATHER_BUCKET_NUMEL:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += n
+        return buckets
+
+    def save_hf(self, path: str) -> None:
+        """Rank 0 writes an HF model dir (+ the tokenizer of ``model_dir``). Collective under ZeRO-3."""
+        import torch.distributed as dist
+
+        sd = self.get_weights()
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.hf_model.save_pretrained(path, state_dict=sd, safe_serialization=True)
+            try:
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(path)
+            except (OSError, ValueError) as e:  # a model dir without tokenizer files
+                logger.warning("save_hf: no tokenizer copied from %s (%s)", self.model_dir, e)
+        dist.barrier()
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None) -> None:
+        """Model + optimizer + LR scheduler + ``client_state`` (e.g. step, data position). Collective."""
+        self._require_engine_with_optimizer("save_checkpoint")
+        # Under one key: what load_checkpoint hands back also holds DeepSpeed's own entries.
+        self.engine.save_checkpoint(path, tag=tag, client_state={_CLIENT_KEY: dict(client_state or {})})
+
+    def load_checkpoint(self, path: str, tag: str | None = None) -> dict[str, Any]:
+        """Restore what ``save_checkpoint`` wrote (``tag`` None = the latest); returns the client state."""
+        self._require_engine_with_optimizer("load_checkpoint")
+        load_path, client_state = self.engine.load_checkpoint(
+            path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r} (tag {tag!r})")
+        return dict((client_state or {}).get(_CLIENT_KEY, {}))
+
+    def _require_engine_with_optimizer(self, what: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"{what}: the {self.role} model is inference-only; reload it from its model dir")
+
+    def shutdown(self) -> None:
+        """Leave the process group (lets the actor exit cleanly)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,125 @@
+"""Where model workers run: Ray placement groups and per-rank placements.
+
+"Where things run" is configuration separate from "what runs": a ``ModelGroup`` receives a
+``Placement`` (placement group + one bundle index per rank + the fractional CPU/GPU each
+actor asks for). Several roles can share the same bundles (OpenRLHF-style colocation:
+actor, reference and critic rank ``i`` on bundle ``i`` with e.g. 0.25 GPU each), or a role
+can get a placement group of its own. ``pg=None`` schedules the actors anywhere in the
+cluster, which is enough for a single machine and for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+__all__ = ["Placement", "bundle_strategy", "create_placement_group"]
+
+
+def create_placement_group(
+    num_bundles: int,
+    cpus_per_bundle: float,
+    gpus_per_bundle: float,
+    strategy: str = "PACK",
+    timeout_s: float = 120.0,
+    name: str = "",
+) -> PlacementGroup:
+    """Reserve ``num_bundles`` bundles of ``{CPU, GPU}`` and wait until they are ready.
+
+    Args:
+        num_bundles: one bundle per data-parallel rank (colocated roles share bundles).
+        cpus_per_bundle: logical CPUs per bundle.
+        gpus_per_bundle: GPUs per bundle (0 on a CPU-only cluster).
+        strategy: Ray placement strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
+        timeout_s: how long to wait for the cluster to grant the resources.
+        name: optional placement-group name (shows in the Ray dashboard).
+
+    Raises:
+        RuntimeError: the resources were not granted within ``timeout_s``; the message says
+            what was asked, what the cluster has and which ``cluster.*`` fields to change.
+    """
+    if num_bundles < 1:
+        raise ValueError(f"a placement group needs at least one bundle, got num_bundles={num_bundles}")
+    bundle: dict[str, float] = {"CPU": float(cpus_per_bundle)}
+    if gpus_per_bundle > 0:
+        bundle["GPU"] = float(gpus_per_bundle)
+    pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy=strategy, name=name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        state = placement_group_table(pg).get("state", "unknown")
+        ray.util.remove_placement_group(pg)
+        total = ray.cluster_resources()
+        have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
+        raise RuntimeError(
+            f"placement group of {num_bundles} bundles x {bundle} ({strategy}) not ready after "
+            f"{timeout_s:.0f}s (state {state}); the cluster has CPU={have_cpu:g}, GPU={have_gpu:g} in "
+            f"total. Need CPU={num_bundles * cpus_per_bundle:g}, GPU={num_bundles * gpus_per_bundle:g}: "
+            "lower cluster.actor_ranks/critic_ranks/ref_ranks/reward_ranks or "
+            "cluster.cpus_per_worker/gpus_per_worker, raise cluster.num_cpus (local Ray), set "
+            "cluster.colocate=true to share bundles, or add nodes to the Ray cluster"
+        )
+    return pg
+
+
+def bundle_strategy(pg: PlacementGroup, bundle_index: int) -> PlacementGroupSchedulingStrategy:
+    """Scheduling strategy pinning an actor (and the tasks it starts) to bundle ``bundle_index``."""
+    return PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=bundle_index, placement_group_capture_child_tasks=True
+    )
+
+
+@dataclass
+class Placement:
+    """Where the ranks of one model group run.
+
+    Attributes:
+        pg: the placement group, or None to let Ray schedule the actors anywhere.
+        bundle_indices: bundle of each rank (``len == num_ranks``); ignored when ``pg`` is None.
+        num_cpus: logical CPUs each rank's actor asks for (fractions allow colocation).
+        num_gpus: GPUs each rank's actor asks for (e.g. 0.25 when four roles share a GPU).
+    """
+
+    pg: PlacementGroup | None = None
+    bundle_indices: list[int] = field(default_factory=list)
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+    @classmethod
+    def on_bundles(
+        cls, pg: PlacementGroup, num_ranks: int, num_cpus: float, num_gpus: float, first_bundle: int = 0
+    ) -> Placement:
+        """Rank ``i`` on bundle ``first_bundle + i`` (roles built this way on one pg are colocated)."""
+        return cls(pg, list(range(first_bundle, first_bundle + num_ranks)), num_cpus, num_gpus)
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.num_gpus > 0
+
+    def check(self, num_ranks: int) -> None:
+        """Raise ValueError if this placement cannot host ``num_ranks`` ranks."""
+        if self.pg is None:
+            return
+        if len(self.bundle_indices) != num_ranks:
+            raise ValueError(
+                f"placement has {len(self.bundle_indices)} bundle indices for {num_ranks} ranks; "
+                "give one bundle per rank (Placement.on_bundles)"
+            )
+        n = self.pg.bundle_count
+        bad = [b for b in self.bundle_indices if not 0 <= b < n]
+        if bad:
+            raise ValueError(f"bundle indices {bad} out of range for a placement group of {n} bundles")
+
+    def actor_options(self, rank: int) -> dict:
+        """Ray ``.options(...)`` for the actor of ``rank``."""
+        opts: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.pg is not None:
+            opts["scheduling_strategy"] = bundle_strategy(self.pg, self.bundle_indices[rank])
+        return opts
+

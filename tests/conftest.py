@@ -1,0 +1,35 @@
+"""Shared fixtures. Keep this file small: put fixtures used by one package in its own conftest."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Set at import, not in a fixture: huggingface_hub and tokenizers read these when first
+# imported, which happens while test modules are collected, before any fixture runs.
+TEST_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+os.environ.update(TEST_ENV)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_env() -> None:
+    """Re-assert the env for the session (subprocesses and Ray workers inherit it)."""
+    os.environ.update(TEST_ENV)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random-init tiny Llama (hidden 128, 2 layers, GQA 2/1 heads) + word-level tokenizer."""
+    from rlhf.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random-init tiny Qwen2 (q/k/v biases) + word-level tokenizer."""
+    from rlhf.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=1)

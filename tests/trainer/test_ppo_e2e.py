@@ -1,0 +1,218 @@
+"""End-to-end RL on real Ray + vLLM CPU + DeepSpeed CPU with a tiny random-init model.
+
+One set of workers (2 rollout engines, 2 actor ranks, critic, reference) is built for the
+module and reused: engines take ~15 s each to start on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhf.config import compose
+
+pytestmark = pytest.mark.e2e
+
+ray = pytest.importorskip("ray")
+
+
+def _cfg(tmp_path, *overrides):
+    return compose(
+        "ppo",
+        [
+            "train.num_steps=2",
+            "train.rollout_batch_size=4",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_new_tokens=8",
+            "rollout.num_engines=2",
+            "cluster.actor_ranks=2",
+            "train.tensorboard=false",
+            f"train.output_dir={tmp_path}",
+            "data.num_toy_prompts=32",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from rlhf.data.prompts import load_prompts
+    from rlhf.trainer.setup import build_workers, init_ray
+
+    out = tmp_path_factory.mktemp("ppo")
+    cfg = _cfg(out, f"model.path={tiny_llama_dir}")
+    init_ray(cfg.cluster)
+    workers = build_workers(cfg, str(tiny_llama_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompts, _ = load_prompts("toy:count", tok, num_toy=32, max_len=cfg.data.max_prompt_len)
+    yield {"cfg": cfg, "workers": workers, "tok": tok, "prompts": prompts, "model_dir": str(tiny_llama_dir)}
+    workers.shutdown()
+    ray.shutdown()
+
+
+def _trainer(world, tmp_path, **cfg_changes):
+    from rlhf.data.prompts import PromptLoader
+    from rlhf.rewards import load_reward_fn
+    from rlhf.trainer.ppo_trainer import PPOTrainer
+
+    cfg = world["cfg"]
+    for section, changes in cfg_changes.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(tmp_path)))
+    loader = PromptLoader(world["prompts"], cfg.train.rollout_batch_size, seed=0)
+    return PPOTrainer(cfg, world["workers"], world["tok"], loader, load_reward_fn(cfg.reward.function))
+
+
+def _engine_versions(world):
+    return [st["weight_version"] for st in world["workers"].rollout.stats()]
+
+
+def _engines_serve_actor_weights(world, num_prompts=3):
+    """Greedy output of every engine == HF generate on the actor's current (gathered) weights."""
+    from transformers import AutoModelForCausalLM
+
+    weights = world["workers"].actor.get_weights()
+    model = AutoModelForCausalLM.from_pretrained(world["model_dir"], dtype=torch.float32)
+    model.load_state_dict(weights)
+    prompts = [p.token_ids for p in world["prompts"][:num_prompts]]
+    pool = world["workers"].rollout
+    outs = pool.generate(prompts * pool.num_engines, {"n": 1, "temperature": 0.0, "max_tokens": 6})
+    for prompt, comps in zip(prompts * pool.num_engines, outs, strict=True):
+        ref = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=6, eos_token_id=world["tok"].eos_token_id
+        )[0, len(prompt) :].tolist()
+        assert comps[0]["token_ids"] == ref
+    return weights
+
+
+def test_experience_contract(world, tmp_path):
+    tr = _trainer(world, tmp_path)
+    prompts = world["prompts"][:4]
+    samples, stats = tr.maker.generate(prompts, step=0)
+    assert len(samples) == 4 * 2 and stats.num_samples == 8
+    samples = tr.maker.score(samples, stats)
+    for s in samples:
+        p = s.info["prompt_len"]
+        # prompt tokens are never actions; every generated token is
+        assert not s.action_mask[:p].any() and s.action_mask[p:].all()
+        assert s.input_ids[:p].tolist() == prompts[s.group_id % 4].token_ids
+        assert s.old_logprobs.shape == s.ref_logprobs.shape == s.values.shape == s.input_ids.shape
+        # engine and DeepSpeed actor hold the same weights: their logprobs agree token by token
+        torch.testing.assert_close(s.old_logprobs[p:], s.rollout_logprobs[p:], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(s.ref_logprobs, s.old_logprobs, atol=1e-5, rtol=1e-5)
+        assert 0.0 <= s.score <= 1.0
+
+
+@pytest.mark.parametrize("algorithm", ["gae", "grpo"])
+def test_rl_steps_update_and_sync(world, tmp_path, algorithm):
+    before = world["workers"].actor.get_weights()
+    changes = {"algorithm": {}}
+    if algorithm == "grpo":
+        changes["algorithm"] = {"advantage": "grpo", "kl_in_reward": False, "kl_kind": "k3"}
+    tr = _trainer(world, tmp_path, **changes)
+    if algorithm == "grpo":
+        assert tr.policy_objective.kl_coef_in_loss > 0
+    history = tr.fit()
+    assert [h["step"] for h in history] == [1, 2]
+    for h in history:
+        for key in ("policy/loss", "reward/mean", "perf/tokens_per_s"):
+            assert torch.isfinite(torch.tensor(h[key])), (key, h)
+        if algorithm == "gae":
+            assert torch.isfinite(torch.tensor(h["critic/loss"]))
+    after = _engines_serve_actor_weights(world)
+    assert any(not torch.equal(after[k], before[k]) for k in before), "the actor did not change"
+    # resume: a new trainer picks up at the saved step and the data position
+    tr2 = _trainer(world, tmp_path, train={"num_steps": 3}, **changes)
+    assert tr2.try_resume() and tr2.step == 2
+    assert tr2.loader.state_dict() == tr.loader.state_dict()
+
+
+def test_multi_turn_masks_observations(world, tmp_path):
+    from rlhf.envs import load_env
+
+    tr = _trainer(world, tmp_path, env={"name": "rlhf.envs.toy:EchoToolEnv", "max_turns": 2})
+    tr.maker.env_factory = lambda: load_env("rlhf.envs.toy:EchoToolEnv")
+    samples, stats = tr.maker.generate(world["prompts"][:2], step=0)
+    samples = tr.maker.score(samples, stats)
+    tool_id = world["tok"].convert_tokens_to_ids("<|tool|>")
+    multi = [s for s in samples if (s.input_ids == tool_id).any()]
+    assert multi, "no trajectory reached a second turn"
+    for s in multi:
+        t = int((s.input_ids == tool_id).nonzero()[0])
+        assert not s.action_mask[t], "observation token marked as action"
+        assert s.action_mask[:t].any() and s.action_mask[t:].any(), (
+            "expected actions before and after the tool turn"
+        )
+        # logprobs on the second assistant turn line up with the actor's too
+        m = s.action_mask
+        torch.testing.assert_close(s.old_logprobs[m], s.rollout_logprobs[m], atol=2e-3, rtol=1e-3)
+
+
+def test_reward_function_that_raises_loses_no_step(world, tmp_path):
+    from rlhf.rewards import RewardFunctionError
+
+    before, versions = world["workers"].actor.get_weights(), _engine_versions(world)
+    tr = _trainer(world, tmp_path, reward={"function": "rlhf.rewards.toy:always_raises"})
+    with pytest.raises(RewardFunctionError, match="sample 0"):
+        tr.fit()
+    assert tr.step == 0
+    after = world["workers"].actor.get_weights()
+    assert all(torch.equal(after[k], before[k]) for k in before), "a failed step must not update the actor"
+    assert _engine_versions(world) == versions
+
+
+def test_non_finite_reward_error_or_drop(world, tmp_path):
+    from rlhf.rewards import RewardFunctionError
+
+    tr = _trainer(world, tmp_path, reward={"function": "rlhf.rewards.toy:nan_reward"})
+    samples, stats = tr.maker.generate(world["prompts"][:4], step=0)
+    with pytest.raises(RewardFunctionError, match="reward.non_finite=drop"):
+        tr.maker.score(list(samples), stats)
+    tr.maker.cfg = dataclasses.replace(tr.cfg, reward=dataclasses.replace(tr.cfg.reward, non_finite="drop"))
+    kept = tr.maker.score(list(samples), stats)
+    assert stats.dropped_non_finite == len(samples) - len(kept) > 0
+    assert all(s.score == 1.0 for s in kept)
+
+
+def test_empty_response_trains_without_nan(world, tmp_path):
+    from rlhf.data.types import Sample
+    from rlhf.trainer.advantage_step import advantage_step
+
+    tr = _trainer(world, tmp_path)
+    samples, stats = tr.maker.generate(world["prompts"][:2], step=0)
+    p = world["prompts"][0].token_ids
+    empty = Sample(
+        input_ids=torch.tensor(p),
+        action_mask=torch.zeros(len(p), dtype=torch.bool),
+        rollout_logprobs=torch.zeros(len(p)),
+        group_id=samples[0].group_id,
+        info={"prompt": world["prompts"][0].text, "prompt_len": len(p)},
+    )
+    samples = tr.maker.score([*samples, empty], stats)
+    advantage_step(samples, tr.cfg.algorithm)
+    stats = tr.train(samples)
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values()), stats
+
+
+def test_killed_engine_is_restarted_without_losing_the_step(world, tmp_path):
+    pool = world["workers"].rollout
+    tr = _trainer(world, tmp_path, train={"num_steps": 1})
+    ray.kill(pool.engines[1])
+    history = tr.fit()
+    assert len(history) == 1 and tr.step == 1
+    assert pool.restarts[1] >= 1
+    _engines_serve_actor_weights(world)
+
+
+def test_overlong_prompt_is_a_clear_error(world):
+    from rlhf.data.prompts import load_prompts
+
+    with pytest.raises(ValueError, match="data.max_prompt_len"):
+        load_prompts("toy:count", world["tok"], num_toy=4, max_len=3)
+    too_long = list(range(5, 5 + world["cfg"].rollout.max_model_len))
+    with pytest.raises(ValueError, match="max_model_len"):
+        world["workers"].rollout.generate([too_long], {"n": 1, "max_tokens": 4, "temperature": 1.0})

@@ -1,0 +1,140 @@
+"""Reward model: last-token scores against plain HF, pairwise training, the saved dir as PPO's reward role, e2e."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.algorithms.losses import pairwise_rm_loss
+from rlhf.config import compose
+from rlhf.data.chat import load_preferences
+from rlhf.data.packing import pack
+from rlhf.data.types import Sample
+from rlhf.trainer.pref_objectives import RMObjective
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def pairs(tok):
+    pairs, _ = load_preferences("toy:count", tok, max_len=128, num_toy=12, seed=2)
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def rm(tiny_llama_dir):
+    from rlhf.models.forward import build_value_model
+
+    return build_value_model(tiny_llama_dir, init_from_causal_lm=True, attn_impl="auto").eval()
+
+
+def _hf_scores(model, samples) -> torch.Tensor:
+    """Plain transformers sequence classification, one sample at a time (no pad token inside)."""
+    with torch.no_grad():
+        return torch.stack([model(input_ids=s.input_ids[None]).logits[0, 0].float() for s in samples])
+
+
+def test_score_at_last_token_equals_per_sample_reference_and_loss_matches(rm, pairs):
+    from rlhf.models.forward import packed_sequence_scores
+
+    samples = [s for p in pairs for s in p]
+    assert all(int(s.input_ids.eq(rm.config.pad_token_id).sum()) == 0 for s in samples)
+    units = [[2 * k, 2 * k + 1] for k in range(len(pairs))]
+    mbs = pack(samples, max(len(c) + len(r) for c, r in pairs), units=units)
+    assert len(mbs) > 1
+    got = torch.full((len(samples),), float("nan"))
+    obj = RMObjective()
+    with torch.no_grad():
+        for mb in mbs:
+            got[mb.sample_index] = packed_sequence_scores(rm, mb)
+        total = sum(obj(rm, mb, obj.loss_weight(mb))[0] for mb in mbs) / sum(
+            obj.loss_weight(mb) for mb in mbs
+        )
+    expected = _hf_scores(rm, samples)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(total, pairwise_rm_loss(expected[0::2], expected[1::2]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from rlhf.trainer.setup import CPU_ENV
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _cfg(tmp_path, model_dir, *overrides):
+    return compose(
+        "rm",
+        [
+            f"model.path={model_dir}",
+            f"train.output_dir={tmp_path}",
+            "train.tensorboard=false",
+            "data.num_toy=24",
+            "data.eval_size=4",
+            "train.batch_size=8",
+            *overrides,
+        ],
+    )
+
+
+def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
+    ray_session, tmp_path, tiny_llama_dir, pairs
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.trainer.rm_trainer import RMTrainer, last_token_scores
+    from rlhf.trainer.sft_trainer import model_group
+
+    cfg = _cfg(tmp_path, tiny_llama_dir, "train.lr=0.002")
+    pairs = pairs[:10]
+    with model_group(cfg, "critic", str(tiny_llama_dir), 1, cfg.train.lr) as group:
+        trainer = RMTrainer(cfg, group, pairs, eval_pairs=pairs)
+        before = trainer.evaluate()
+        stats = [trainer.train_step(pairs) for _ in range(6)]
+        after = trainer.evaluate()
+        scores = last_token_scores(group, [s for p in pairs for s in p], cfg.train.max_tokens_per_microbatch)
+        group.save_hf(str(tmp_path / "final"))
+    assert stats[0]["loss"] == pytest.approx(before["loss"], rel=1e-4)
+    assert after["loss"] < before["loss"] - 0.1
+    assert after["scores/accuracy"] > before["scores/accuracy"] or after["scores/accuracy"] == 1.0
+    assert after["scores/accuracy"] >= 0.9
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final").eval()
+    assert model.config.num_labels == 1 and type(model).__name__ == "LlamaForSequenceClassification"
+    # The saved head and trunk give, in plain transformers, the scores the group trained.
+    torch.testing.assert_close(_hf_scores(model, [s for p in pairs for s in p]), scores, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.e2e
+def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp_path, tiny_llama_dir, pairs):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf.rm import run
+    from rlhf.workers.group import ModelGroup
+
+    history = run(_cfg(tmp_path, tiny_llama_dir, "train.max_steps=3"))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert "eval/scores/accuracy" in history[-1]
+    final = tmp_path / "final"
+    assert len(AutoTokenizer.from_pretrained(final)) > 0
+    model = AutoModelForSequenceClassification.from_pretrained(final).eval()
+    samples = [Sample(s.input_ids, s.action_mask) for p in pairs[:3] for s in p]
+    # What `python -m rlhf.ppo reward.type=model reward.model_path=<final>` builds for scoring.
+    reward = ModelGroup("reward", str(final), 1)
+    try:
+        scores = torch.stack(reward.forward(samples, 512))
+    finally:
+        reward.shutdown()
+    torch.testing.assert_close(scores, _hf_scores(model, samples), rtol=1e-4, atol=1e-4)
+    assert compose("ppo", ["reward.type=model", f"reward.model_path={final}"]).reward.model_path == str(final)

@@ -1,0 +1,201 @@
+"""Packed SFT: loss against a per-sample plain HF reference, training through the real ModelGroup, e2e."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.config import compose
+from rlhf.data.chat import load_sft, tokenize_conversation
+from rlhf.data.packing import pack
+from rlhf.trainer.objectives import SFTObjective
+
+ray = pytest.importorskip("ray")
+
+CHATS = [
+    [
+        {"role": "user", "content": "count 3 4"},
+        {"role": "assistant", "content": "5 6 7"},
+        {"role": "user", "content": "next"},
+        {"role": "assistant", "content": "8 9"},
+        {"role": "tool", "content": "result ok"},
+        {"role": "assistant", "content": "10 11 12 13"},
+    ],
+    [{"role": "user", "content": "say hello"}, {"role": "assistant", "content": "hello"}],
+    [
+        {"role": "system", "content": "answer yes or no"},
+        {"role": "user", "content": "is 3 a number"},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "and a"},
+        {"role": "assistant", "content": "no"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def samples(tok):
+    toy, _ = load_sft("toy:count", tok, max_len=128, num_toy=5)
+    return [tokenize_conversation(tok, c) for c in CHATS] + toy
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.forward import prepare_model_for_packing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prepare_model_for_packing(model)
+    return model
+
+
+def _reference_nll(model, s) -> tuple[torch.Tensor, int]:
+    """Plain per-sample HF forward: summed NLL of the assistant tokens and their count."""
+    with torch.no_grad():
+        logits = model(input_ids=s.input_ids[None]).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, s.input_ids[1:, None])[:, 0]
+    mask = s.action_mask[1:]
+    return -lp[mask].sum(), int(mask.sum())
+
+
+def _assistant_segments(mask: torch.Tensor) -> int:
+    m = mask.int()
+    return int(((m[1:] == 1) & (m[:-1] == 0)).sum())
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("budget", [64, 4096])
+def test_packed_loss_equals_unpacked_reference(lm, samples, aggregation, budget):
+    # Several assistant turns per chat: the mask must select each of them and nothing else.
+    assert _assistant_segments(samples[0].action_mask) == 3
+    assert _assistant_segments(samples[3].action_mask) == 2
+    obj = SFTObjective(aggregation=aggregation)
+    mbs = pack(samples, budget)
+    assert (len(mbs) > 1) == (budget == 64)
+    with torch.no_grad():
+        weights = [obj.loss_weight(mb) for mb in mbs]
+        losses = [obj(lm, mb, 1.0)[0] for mb in mbs]
+    packed = sum(w * loss for w, loss in zip(weights, losses, strict=True)) / sum(weights)
+    ref = [_reference_nll(lm, s) for s in samples]
+    if aggregation == "token_mean":
+        expected = sum(n for n, _ in ref) / sum(c for _, c in ref)
+    elif aggregation == "seq_mean_token_mean":
+        expected = torch.stack([n / c for n, c in ref]).mean()
+    else:
+        expected = torch.stack([n for n, _ in ref]).mean()
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+
+
+class _FakeGroup:
+    """Records what the trainer asks of a ModelGroup (the epoch loop without Ray)."""
+
+    def __init__(self):
+        self.calls, self.saved = [], []
+
+    def train(self, samples, objective, budget, num_minibatches=1, units=None):
+        self.calls.append(([int(s.input_ids[1]) for s in samples], units, num_minibatches))
+        return {"loss": 1.0, "grad_norm": 0.5, "lr": 0.1, "num_optimizer_steps": 1.0}
+
+    def forward(self, samples, budget):
+        return [torch.full((len(s),), -1.0) for s in samples]
+
+    def save_hf(self, path):
+        self.saved.append(path)
+
+
+@pytest.mark.parametrize(("max_steps", "steps"), [(0, 6), (4, 4)])
+def test_fit_runs_shuffled_epochs_evaluates_and_saves(tmp_path, max_steps, steps):
+    from rlhf.data.types import Sample
+    from rlhf.trainer.sft_trainer import SFTTrainer
+
+    data = [Sample(input_ids=[0, i, 1], action_mask=[0, 1, 1]) for i in range(10)]
+    cfg = compose(
+        "sft",
+        [
+            f"train.output_dir={tmp_path}",
+            "train.tensorboard=false",
+            "train.epochs=2",
+            "train.batch_size=4",
+            f"train.max_steps={max_steps}",
+        ],
+    )
+    group = _FakeGroup()
+    history = SFTTrainer(cfg, group, data, eval_samples=data[:2]).fit()
+    assert len(group.calls) == len(history) == steps
+    assert [len(c[0]) for c in group.calls] == [4, 4, 2, 4, 4, 2][:steps]
+    assert all(units is None and n == 1 for _, units, n in group.calls)
+    if not max_steps:
+        epoch0, epoch1 = [sum((c[0] for c in group.calls[k : k + 3]), []) for k in (0, 3)]
+        assert sorted(epoch0) == sorted(epoch1) == list(range(10)) and epoch0 != epoch1
+    # eval at the end of each epoch, or at the last step when max_steps cuts the run short
+    evals = [h["step"] for h in history if "eval/loss" in h]
+    assert evals == ([3, 6] if not max_steps else [3, 4])
+    assert history[-1]["eval/loss"] == pytest.approx(1.0)
+    assert group.saved == [str(tmp_path / "final")]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    from rlhf.trainer.setup import CPU_ENV
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _cfg(tmp_path, model_dir, *overrides):
+    return compose(
+        "sft",
+        [
+            f"model.path={model_dir}",
+            f"train.output_dir={tmp_path}",
+            "train.tensorboard=false",
+            "data.num_toy=24",
+            "data.eval_size=4",
+            "train.batch_size=8",
+            *overrides,
+        ],
+    )
+
+
+def test_sft_steps_through_the_group_decrease_loss(ray_session, tmp_path, tiny_llama_dir, tok):
+    from rlhf.trainer.sft_trainer import SFTTrainer, model_group
+
+    # Two ranks: dealing, dummy slots and the rank-weighted loss normaliser are all in play.
+    cfg = _cfg(tmp_path, tiny_llama_dir, "cluster.actor_ranks=2", "train.lr=0.002")
+    data, _ = load_sft("toy:count", tok, max_len=128, num_toy=12, seed=3)
+    with model_group(cfg, "actor", str(tiny_llama_dir), 2, cfg.train.lr) as group:
+        trainer = SFTTrainer(cfg, group, data, eval_samples=data)
+        before = trainer.evaluate()["loss"]
+        losses = [trainer.train_step([(s,) for s in data])["loss"] for _ in range(4)]
+        after = trainer.evaluate()["loss"]
+    # The first step's stat is the loss before any update: it must match the group's own forward.
+    assert losses[0] == pytest.approx(before, rel=1e-4)
+    assert after < before - 0.3
+    assert losses == sorted(losses, reverse=True)
+
+
+@pytest.mark.e2e
+def test_sft_entry_point_end_to_end(ray_session, tmp_path, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.sft import run
+
+    cfg = _cfg(tmp_path, tiny_llama_dir, "train.max_steps=3", "train.tensorboard=true")
+    history = run(cfg)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in history)
+    assert "eval/loss" in history[-1]
+    assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "tensorboard").is_dir()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert model.config.architectures == ["LlamaForCausalLM"]

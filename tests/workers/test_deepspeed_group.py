@@ -1,0 +1,266 @@
+"""DeepSpeed model groups on real Ray + DeepSpeed (CPU, gloo) against single-process references.
+
+Groups are module-scoped and shared; every test that needs a known optimizer state first
+restores the checkpoint each group saves right after it starts (step 0), so the tests do not
+depend on their order.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf.data.types import Sample
+from rlhf.trainer.objectives import SFTObjective, ValueObjective
+from rlhf.workers.group import ModelGroup
+from rlhf.workers.placement import Placement, create_placement_group
+
+# (tokens, prompt length). Budget 20 packs them into 3 micro-batches, [15+5, 12+7, 9]: with 2
+# ranks one rank gets a None slot (uneven counts); their action-token shares (12, 12, 2) differ
+# from their sample shares (2, 2, 1), so token_mean and seq_mean weighting cannot be confused.
+LENGTHS = [(9, 7), (12, 5), (7, 2), (15, 6), (5, 2)]
+BUDGET = 20
+DS = dict(lr=1e-2, eps=1.0, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.0, dist_timeout_s=120)
+
+
+def _samples(vocab: int, seed: int = 0, lengths: list[tuple[int, int]] = LENGTHS) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, p in lengths:
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[p:] = True
+        out.append(Sample(torch.randint(8, vocab, (n,), generator=g), mask))
+    return out
+
+
+# ---------------------------------------------------------------- references
+def _hf_lm(model_dir: Path, weights: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if weights is not None:
+        m.load_state_dict(weights)
+    return m
+
+
+def _hf_logprobs(model, s: Sample) -> torch.Tensor:
+    """One sample, plain HF forward (no packing): logprobs aligned to the token, 0 at t=0."""
+    logp = torch.log_softmax(model(s.input_ids[None]).logits[0].float(), -1)
+    out = torch.zeros(len(s))
+    out[1:] = logp[:-1].gather(-1, s.input_ids[1:, None])[:, 0]
+    return out
+
+
+def _reference_sft_step(model_dir: Path, weights, samples: list[Sample], aggregation: str):
+    """Single process, full batch: SFT loss, backward, the same AdamW. Returns (state, loss, grad norm)."""
+    model = _hf_lm(model_dir, weights)
+    nll = [-_hf_logprobs(model, s)[s.action_mask] for s in samples]
+    if aggregation == "token_mean":
+        loss = torch.cat(nll).mean()
+    else:
+        loss = torch.stack([x.mean() for x in nll if x.numel()]).mean()
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": DS["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=DS["lr"],
+        eps=DS["eps"],
+        betas=DS["betas"],
+    )
+    opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}, loss.item(), grad_norm.item()
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        # Logical CPUs above the 2 cores: the ranks mostly wait on each other.
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir) -> Path:
+    return Path(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab(model_dir) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir)).vocab_size
+
+
+def _start(role: str, model_dir: Path, num_ranks: int, stage: int, ckpt: Path, placement=None) -> ModelGroup:
+    t0 = time.perf_counter()
+    group = ModelGroup(
+        role, str(model_dir), num_ranks, dict(DS, zero_stage=stage), placement=placement, seed=0
+    )
+    if role in ("actor", "critic"):
+        group.save_checkpoint(str(ckpt), {"step": 0}, tag="init")
+    print(f"{role} ZeRO-{stage} x{num_ranks} ready in {time.perf_counter() - t0:.1f}s")
+    return group
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def actor(request, ray_session, model_dir, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp(f"ckpt_zero{request.param}")
+    group = _start("actor", model_dir, 2, request.param, ckpt)
+    group.init_ckpt = str(ckpt)
+    yield group
+    group.shutdown()
+
+
+# ---------------------------------------------------------------- actor tests
+def test_forward_matches_per_sample_hf(actor, model_dir, vocab) -> None:
+    samples = _samples(vocab, seed=1)
+    out = actor.forward(samples, BUDGET)
+    ref = _hf_lm(model_dir, actor.get_weights())
+    with torch.no_grad():
+        for s, lp in zip(samples, out, strict=True):
+            assert lp.shape == (len(s),) and lp.dtype == torch.float32
+            torch.testing.assert_close(lp, _hf_logprobs(ref, s), atol=1e-5, rtol=0)
+    # Fewer micro-batches than ranks (one rank only runs dummies): no hang, same values.
+    one = actor.forward(samples[:1], BUDGET)
+    torch.testing.assert_close(one[0], out[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_data_parallel_step_equals_single_process_full_batch(actor, model_dir, vocab, aggregation) -> None:
+    """The loss-normalisation test: 2 ranks x uneven micro-batches == one process, whole batch."""
+    actor.load_checkpoint(actor.init_ckpt, tag="init")
+    w0 = actor.get_weights()
+    samples = _samples(vocab)
+    stats = actor.train(samples, SFTObjective(aggregation=aggregation), BUDGET)
+    expected, ref_loss, ref_norm = _reference_sft_step(model_dir, w0, samples, aggregation)
+    got = actor.get_weights()
+    assert _max_diff(got, w0) > 1e-4  # the step moved the weights
+    assert _max_diff(got, expected) < 1e-6
+    assert stats["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert stats["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert stats["num_optimizer_steps"] == 1 and stats["lr"] == pytest.approx(DS["lr"])
+
+
+def test_result_does_not_depend_on_packing_or_dummy_slots(actor, vocab) -> None:
+    samples = _samples(vocab)
+    results = []
+    # 3 micro-batches (one None slot), 1 micro-batch (rank 1 only dummies), 5 micro-batches.
+    for budget in (BUDGET, 64, 15):
+        actor.load_checkpoint(actor.init_ckpt, tag="init")
+        actor.train(samples, SFTObjective(), budget)
+        results.append(actor.get_weights())
+    assert _max_diff(results[0], results[1]) < 1e-6
+    assert _max_diff(results[0], results[2]) < 1e-6
+    assert [i["global_steps"] for i in actor.info()] == [1, 1]
+
+
+def test_sft_loss_decreases_with_one_optimizer_step_per_minibatch(actor, vocab) -> None:
+    actor.load_checkpoint(actor.init_ckpt, tag="init")
+    samples = _samples(vocab)
+    losses = [actor.train(samples, SFTObjective(), BUDGET)["loss"] for _ in range(3)]
+    assert losses[0] > losses[1] > losses[2]
+    stats = actor.train(samples, SFTObjective(), BUDGET, num_minibatches=2, num_epochs=2)
+    assert stats["num_optimizer_steps"] == 4
+    assert [i["global_steps"] for i in actor.info()] == [7, 7]
+
+
+def test_checkpoint_resume_equals_uninterrupted(actor, vocab, tmp_path) -> None:
+    actor.load_checkpoint(actor.init_ckpt, tag="init")
+    a, b = _samples(vocab, seed=2), _samples(vocab, seed=3)
+    actor.train(a, SFTObjective(), BUDGET)
+    actor.save_checkpoint(str(tmp_path), {"step": 1, "data_pos": 7})
+    actor.train(b, SFTObjective(), BUDGET)
+    uninterrupted = actor.get_weights()
+    actor.load_checkpoint(actor.init_ckpt, tag="init")  # scramble: back to step 0
+    assert actor.load_checkpoint(str(tmp_path)) == {"step": 1, "data_pos": 7}
+    actor.train(b, SFTObjective(), BUDGET)
+    # Exact only if Adam's moments and step count came back with the weights.
+    assert _max_diff(actor.get_weights(), uninterrupted) < 1e-7
+
+
+def test_get_weights_full_hf_state_dict_and_save_hf(actor, model_dir, tmp_path) -> None:
+    actor.load_checkpoint(actor.init_ckpt, tag="init")
+    weights = actor.get_weights()
+    hf = _hf_lm(model_dir).state_dict()
+    assert list(weights) == list(hf)
+    assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in hf.items()}
+    assert _max_diff(weights, hf) == 0.0
+    actor.save_hf(str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    assert _max_diff(_hf_lm(tmp_path / "hf").state_dict(), hf) == 0.0
+
+
+# ---------------------------------------------------------------- inference-only roles
+def test_reference_plain_module_forward_and_no_training(ray_session, model_dir, vocab) -> None:
+    """ZeRO-2 inference = no DeepSpeed engine, the HF module in eval mode on each rank."""
+    ref_group = ModelGroup("reference", str(model_dir), 1, dict(DS, zero_stage=2))
+    try:
+        samples = _samples(vocab, seed=5)
+        ref = _hf_lm(model_dir)
+        with torch.no_grad():
+            for s, lp in zip(samples, ref_group.forward(samples, BUDGET, temperature=1.0), strict=True):
+                torch.testing.assert_close(lp, _hf_logprobs(ref, s), atol=1e-5, rtol=0)
+        with pytest.raises(ray_session.exceptions.RayTaskError, match="inference-only"):
+            ref_group.train(samples, SFTObjective(), BUDGET)
+    finally:
+        ref_group.shutdown()
+
+
+def test_colocated_critic_and_reward_on_one_placement_group(ray_session, model_dir, vocab, tmp_path) -> None:
+    """ZeRO-3 critic and ZeRO-3 (inference-only) reward share two bundles, half a CPU each.
+
+    Critic values == per-sample reference; the critic saved with save_hf reloads as a reward
+    model whose scores are the per-sample last-token values; the critic trains.
+    """
+    from rlhf.models.forward import build_value_model
+
+    pg = create_placement_group(2, cpus_per_bundle=1, gpus_per_bundle=0, timeout_s=60)
+    half = Placement.on_bundles(pg, 2, num_cpus=0.5, num_gpus=0.0)
+    groups = []
+    try:
+        critic = _start("critic", model_dir, 2, 3, tmp_path / "ckpt", half)
+        groups.append(critic)
+        samples = _samples(vocab, seed=4)
+        values = critic.forward(samples, BUDGET)
+        critic.save_hf(str(tmp_path / "rm"))
+        ref = build_value_model(tmp_path / "rm", init_from_causal_lm=False).eval()
+        last = []
+        with torch.no_grad():
+            for s, v in zip(samples, values, strict=True):
+                full = ref.score(ref.base_model(s.input_ids[None]).last_hidden_state[0])[:, 0]
+                torch.testing.assert_close(v[1:], full[:-1], atol=1e-5, rtol=0)
+                assert v[0] == 0
+                last.append(full[-1])
+        reward = _start("reward", tmp_path / "rm", 2, 3, tmp_path / "unused", half)
+        groups.append(reward)
+        scores = reward.forward(samples, BUDGET)
+        torch.testing.assert_close(torch.stack(scores), torch.stack(last), atol=1e-5, rtol=0)
+        for s, v in zip(samples, values, strict=True):
+            s.values, s.returns = v.clone(), torch.where(s.action_mask, 1.0, 0.0)
+        losses = [critic.train(samples, ValueObjective(clip_eps=None), BUDGET)["loss"] for _ in range(3)]
+        assert losses[0] > losses[1] > losses[2]
+    finally:
+        for g in groups:
+            g.shutdown()
+        ray_session.util.remove_placement_group(pg)
+
+
+def test_missing_resources_error_names_cluster_fields(ray_session) -> None:
+    with pytest.raises(RuntimeError, match="cluster.cpus_per_worker"):
+        create_placement_group(2, cpus_per_bundle=1000, gpus_per_bundle=0, timeout_s=1)
