@@ -30,8 +30,9 @@ def run(cfg) -> list[dict]:
     train, held_out = load_pairs(cfg, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
     steps = count_steps(len(train), cfg.train)
-    # "critic" is the trainable sequence-score role (see rlhf.trainer.rm_trainer).
-    with model_group(cfg, "critic", model_dir, cfg.cluster.reward_ranks, cfg.train.lr, steps) as group:
+    # A reward group with lr > 0 trains (train.lr > 0 is validated); from the causal-LM dir it
+    # starts with a fresh score head (see rlhf.trainer.rm_trainer).
+    with model_group(cfg, "reward", model_dir, cfg.cluster.reward_ranks, cfg.train.lr, steps) as group:
         return RMTrainer(cfg, group, train, held_out).fit()
 
 

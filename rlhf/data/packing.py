@@ -37,7 +37,7 @@ def plan_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
         if n > budget:
             raise OverlongSampleError(
                 f"unit {i} has {n} tokens, more than the packing budget of {budget}: raise "
-                "train.max_tokens_per_microbatch or set data.overlong=truncate"
+                "train.max_tokens_per_microbatch, or shorten the data (data.max_len / rollout.max_model_len)"
             )
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []

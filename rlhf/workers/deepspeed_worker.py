@@ -39,6 +39,7 @@ __all__ = ["ROLES", "DeepSpeedSettings", "ModelWorker", "build_ds_config"]
 logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "critic", "reference", "reward")
+# Always trainable; "reward" is trainable only with lr > 0 (reward-model training, see ModelWorker).
 TRAINABLE_ROLES = ("actor", "critic")
 # Elements gathered at once under ZeRO-3 by get_weights (bounds the transient full copy).
 _GATHER_BUCKET_NUMEL = 1 << 27
@@ -143,13 +144,29 @@ def _full_shape(p: torch.nn.Parameter) -> torch.Size:
     return getattr(p, "ds_shape", p.shape)
 
 
+def _holds_causal_lm(model_dir: str) -> bool:
+    """True when the config's ``architectures`` are all ``*ForCausalLM`` (a base LM, no score head)."""
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(model_dir), "architectures", None) or []
+    return bool(archs) and all(a.endswith("ForCausalLM") for a in archs)
+
+
 class ModelWorker:
     """One rank of a model group. All ranks of a group must receive the same calls in the same order.
 
+    Roles and what trains: ``actor`` and ``critic`` always have an optimizer; ``reference`` is
+    inference-only; ``reward`` is trainable when ``ds["lr"] > 0`` (reward-model training,
+    ``rlhf.rm``) and inference-only with ``lr == 0`` (the PPO reward model, no optimizer).
+    An inference-only role refuses ``train_step`` and the checkpoint calls.
+
     Args:
         role: ``actor``/``reference`` (causal LM, outputs logprobs), ``critic`` (value model
-            initialised from a causal-LM dir, outputs per-token values) or ``reward``
-            (sequence-classification dir, outputs one score per sample).
+            initialised from a causal-LM dir, outputs per-token values) or ``reward`` (one
+            score per sample: the head on its last token). ``reward`` loads a causal-LM dir
+            (config ``architectures`` all ``*ForCausalLM``) with a fresh ``score`` head, the
+            start of reward-model training, and any other dir (a trained
+            ``*ForSequenceClassification``) with its own head.
         model_dir: HF model directory.
         rank, world_size: data-parallel rank and size of this group.
         master_addr, master_port: rendezvous of this group's process group.
@@ -173,7 +190,9 @@ class ModelWorker:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         os.environ.update(
-            MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port), RANK=str(rank),
+            MASTER_ADDR=str(master_addr),
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
             WORLD_SIZE=str(world_size),
             # Ray gives each actor only its own GPU(s), so the local device is always 0.
             LOCAL_RANK="0",
@@ -182,13 +201,15 @@ class ModelWorker:
 
         self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
         self.settings = DeepSpeedSettings.from_dict(ds)
-        self.trainable = role in TRAINABLE_ROLES
+        self.trainable = role in TRAINABLE_ROLES or (role == "reward" and self.settings.lr > 0)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         deepspeed.init_distributed(
             dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-            auto_mpi_discovery=False, verbose=False, timeout=timedelta(seconds=self.settings.dist_timeout_s),
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=timedelta(seconds=self.settings.dist_timeout_s),
         )
         torch.manual_seed(seed)
         self.ds_config = build_ds_config(self.settings, world_size, train=self.trainable)
@@ -211,12 +232,23 @@ class ModelWorker:
                 # from the start, instead of every rank materialising the full model first.
                 self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
             elif self.rank == 0:
-                logger.warning("ZeRO-3 without zero.Init (transformers needs `accelerate` for it): every "
-                               "rank loads the full model before DeepSpeed partitions it")
+                logger.warning(
+                    "ZeRO-3 without zero.Init (transformers needs `accelerate` for it): every "
+                    "rank loads the full model before DeepSpeed partitions it"
+                )
         if self.role in ("actor", "reference"):
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        elif self.role == "critic":
+            model = build_value_model(self.model_dir, init_from_causal_lm=True, dtype=dtype)
         else:
-            model = build_value_model(self.model_dir, init_from_causal_lm=self.role == "critic", dtype=dtype)
+            from_lm = _holds_causal_lm(self.model_dir)
+            if from_lm and not self.trainable and self.rank == 0:
+                logger.warning(
+                    "reward model %s is a causal LM: its score head is new and untrained, "
+                    "so its scores are random",
+                    self.model_dir,
+                )
+            model = build_value_model(self.model_dir, init_from_causal_lm=from_lm, dtype=dtype)
         if not hasattr(next(model.parameters()), "ds_id"):
             # On its device first, so that attn_impl="auto" can pick flash-attn on a GPU.
             model.to(self.device)
@@ -246,7 +278,10 @@ class ModelWorker:
         if self.trainable:
             s = self.settings
             optim = torch.optim.AdamW(
-                self._optimizer_groups(), lr=s.lr, betas=s.betas, eps=s.eps,
+                self._optimizer_groups(),
+                lr=s.lr,
+                betas=s.betas,
+                eps=s.eps,
                 fused=self.device.type == "cuda" and not s.offload_optimizer,
             )
             sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(s))
@@ -275,23 +310,33 @@ class ModelWorker:
         n = sum(math.prod(_full_shape(p)) for p in self.hf_model.parameters())
         steps = int(self.engine.global_steps) if self.trainable else 0
         attn = self.hf_model.config._attn_implementation
-        return {"role": self.role, "rank": self.rank, "device": str(self.device), "num_params": n,
-                "global_steps": steps, "attn_impl": attn}
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "device": str(self.device),
+            "num_params": n,
+            "global_steps": steps,
+            "attn_impl": attn,
+        }
 
     # ---------------------------------------------------------------- compute
     def _forward_fn(self, temperature: float) -> Callable[[torch.nn.Module, FlatBatch], torch.Tensor]:
         from rlhf.models import forward as fwd
 
         if self.role in ("actor", "reference"):
+
             def fn(model: torch.nn.Module, mb: FlatBatch) -> torch.Tensor:
                 return fwd.packed_logprobs(model, mb, temperature=temperature)[0]
+
             return fn
         if self.role == "critic":
             return fwd.packed_hidden_values
         return fwd.packed_sequence_scores
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[FlatBatch | None], temperature: float = 1.0) -> list[torch.Tensor | None]:
+    def forward(
+        self, micro_batches: list[FlatBatch | None], temperature: float = 1.0
+    ) -> list[torch.Tensor | None]:
         """Per-token logprobs (actor/reference), values (critic) or per-sample scores (reward).
 
         ``None`` slots return None; under ZeRO-3 they still run a dummy forward because the
@@ -329,7 +374,10 @@ class ModelWorker:
             learning rate this step used).
         """
         if not self.trainable:
-            raise RuntimeError(f"the {self.role} model is inference-only; train_step needs actor or critic")
+            raise RuntimeError(
+                f"the {self.role} model is inference-only{self._why_inference_only()}; "
+                "train_step needs actor, critic, or reward with lr > 0"
+            )
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch slot (None for a dummy)")
         self._set_train(True)
@@ -358,11 +406,18 @@ class ModelWorker:
         engine.step()
         total = sum(weights)
         w = weights if total > 0 else [1.0] * len(weights)
-        out = {k: sum(a * b for a, b in zip(w, vals, strict=True)) / max(sum(w), 1e-30) for k, vals in sums.items()}
+        out = {
+            k: sum(a * b for a, b in zip(w, vals, strict=True)) / max(sum(w), 1e-30)
+            for k, vals in sums.items()
+        }
         grad_norm = engine.get_global_grad_norm()
         grad_norm = own_norm if grad_norm is None else grad_norm
-        out.update(_weight=total, _count=float(len(weights)), lr=lr,
-                   grad_norm=float(grad_norm) if grad_norm is not None else float("nan"))
+        out.update(
+            _weight=total,
+            _count=float(len(weights)),
+            lr=lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+        )
         return out
 
     def _grad_norm(self) -> float | None:
@@ -424,7 +479,9 @@ class ModelWorker:
         dist.barrier()
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None) -> None:
+    def save_checkpoint(
+        self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None
+    ) -> None:
         """Model + optimizer + LR scheduler + ``client_state`` (e.g. step, data position). Collective."""
         self._require_engine_with_optimizer("save_checkpoint")
         # Under one key: what load_checkpoint hands back also holds DeepSpeed's own entries.
@@ -442,7 +499,17 @@ class ModelWorker:
 
     def _require_engine_with_optimizer(self, what: str) -> None:
         if not self.trainable:
-            raise RuntimeError(f"{what}: the {self.role} model is inference-only; reload it from its model dir")
+            raise RuntimeError(
+                f"{what}: the {self.role} model is inference-only{self._why_inference_only()}; "
+                "reload it from its model dir"
+            )
+
+    def _why_inference_only(self) -> str:
+        return (
+            f" (reward with lr={self.settings.lr}; reward-model training needs lr > 0)"
+            if self.role == "reward"
+            else ""
+        )
 
     def shutdown(self) -> None:
         """Leave the process group (lets the actor exit cleanly)."""

@@ -82,9 +82,11 @@ class ModelGroup:
 
     Args:
         role: ``actor``, ``critic``, ``reference`` or ``reward`` (see ``ModelWorker``).
-        model_dir: HF model directory (a causal LM; a sequence-classification model for reward).
+        model_dir: HF model directory (a causal LM; for reward, a sequence-classification model,
+            or a causal LM to start reward-model training from).
         num_ranks: data-parallel size.
-        ds_cfg: ``DeepSpeedSettings`` fields (dict or instance).
+        ds_cfg: ``DeepSpeedSettings`` fields (dict or instance); a ``reward`` group trains only
+            with ``lr > 0``.
         placement: where the ranks run; default: anywhere on the driver's node, 1 CPU each.
         attn_impl: attention implementation for the packed forward.
         seed: torch seed on every rank.
@@ -150,7 +152,9 @@ class ModelGroup:
         else:
             addr = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
             strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-            port = ray.get(_remote_free_port.options(scheduling_strategy=strategy).remote(sorted(_ISSUED_PORTS)))
+            port = ray.get(
+                _remote_free_port.options(scheduling_strategy=strategy).remote(sorted(_ISSUED_PORTS))
+            )
         _ISSUED_PORTS.add(port)
         return addr, port
 
@@ -172,7 +176,9 @@ class ModelGroup:
         if not samples:
             return []
         per_rank = self._deal(pack(samples, max_tokens_per_microbatch))
-        outs = ray.get([w.forward.remote(mbs, temperature) for w, mbs in zip(self.workers, per_rank, strict=True)])
+        outs = ray.get(
+            [w.forward.remote(mbs, temperature) for w, mbs in zip(self.workers, per_rank, strict=True)]
+        )
         results: list[torch.Tensor | None] = [None] * len(samples)
         for mbs, ys in zip(per_rank, outs, strict=True):
             for mb, y in zip(mbs, ys, strict=True):
@@ -217,8 +223,11 @@ class ModelGroup:
                 idx = [i for u in chunk_units for i in u]
                 pos = {i: k for k, i in enumerate(idx)}
                 local_units = [[pos[i] for i in u] for u in chunk_units]
-                steps.append(self._train_minibatch([samples[i] for i in idx], local_units, objective,
-                                                   max_tokens_per_microbatch))
+                steps.append(
+                    self._train_minibatch(
+                        [samples[i] for i in idx], local_units, objective, max_tokens_per_microbatch
+                    )
+                )
         out = {k: sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s) for k in steps[0]}
         out["lr"] = steps[-1]["lr"]
         out["num_optimizer_steps"] = float(len(steps))
@@ -230,7 +239,9 @@ class ModelGroup:
         mbs = pack(samples, budget, units=units)
         normalizer = float(sum(objective.loss_weight(mb) for mb in mbs))
         per_rank = self._deal(mbs)
-        refs = [w.train_step.remote(x, objective, normalizer) for w, x in zip(self.workers, per_rank, strict=True)]
+        refs = [
+            w.train_step.remote(x, objective, normalizer) for w, x in zip(self.workers, per_rank, strict=True)
+        ]
         return _combine_rank_stats(ray.get(refs))
 
     def info(self) -> list[dict[str, Any]]:
@@ -245,7 +256,9 @@ class ModelGroup:
     def save_hf(self, path: str) -> None:
         ray.get([w.save_hf.remote(str(path)) for w in self.workers])
 
-    def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None) -> None:
+    def save_checkpoint(
+        self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None
+    ) -> None:
         """DeepSpeed checkpoint (model, optimizer, scheduler, client state) under ``path``: a shared dir."""
         ray.get([w.save_checkpoint.remote(str(path), client_state, tag) for w in self.workers])
 

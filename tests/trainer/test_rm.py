@@ -94,17 +94,25 @@ def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
 ):
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf.trainer.rm_trainer import RMTrainer, last_token_scores
+    from rlhf.trainer.rm_trainer import RMTrainer
     from rlhf.trainer.sft_trainer import model_group
 
     cfg = _cfg(tmp_path, tiny_llama_dir, "train.lr=0.002")
     pairs = pairs[:10]
-    with model_group(cfg, "critic", str(tiny_llama_dir), 1, cfg.train.lr) as group:
+    samples = [s for p in pairs for s in p]
+    budget = cfg.train.max_tokens_per_microbatch
+    # The reward role with lr > 0 trains, starting from the causal-LM dir with a fresh head.
+    with model_group(cfg, "reward", str(tiny_llama_dir), 1, cfg.train.lr) as group:
+        init = AutoModelForSequenceClassification.from_pretrained(tiny_llama_dir, num_labels=1).eval()
+        init.load_state_dict(group.get_weights())
+        torch.testing.assert_close(
+            torch.stack(group.forward(samples, budget)), _hf_scores(init, samples), rtol=1e-5, atol=1e-5
+        )
         trainer = RMTrainer(cfg, group, pairs, eval_pairs=pairs)
         before = trainer.evaluate()
         stats = [trainer.train_step(pairs) for _ in range(6)]
         after = trainer.evaluate()
-        scores = last_token_scores(group, [s for p in pairs for s in p], cfg.train.max_tokens_per_microbatch)
+        scores = torch.stack(group.forward(samples, budget))
         group.save_hf(str(tmp_path / "final"))
     assert stats[0]["loss"] == pytest.approx(before["loss"], rel=1e-4)
     assert after["loss"] < before["loss"] - 0.1
@@ -113,7 +121,7 @@ def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final").eval()
     assert model.config.num_labels == 1 and type(model).__name__ == "LlamaForSequenceClassification"
     # The saved head and trunk give, in plain transformers, the scores the group trained.
-    torch.testing.assert_close(_hf_scores(model, [s for p in pairs for s in p]), scores, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_hf_scores(model, samples), scores, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.e2e
@@ -130,8 +138,8 @@ def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp
     assert len(AutoTokenizer.from_pretrained(final)) > 0
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()
     samples = [Sample(s.input_ids, s.action_mask) for p in pairs[:3] for s in p]
-    # What `python -m rlhf.ppo reward.type=model reward.model_path=<final>` builds for scoring.
-    reward = ModelGroup("reward", str(final), 1)
+    # What `python -m rlhf.ppo reward.type=model reward.model_path=<final>` builds for scoring (lr 0).
+    reward = ModelGroup("reward", str(final), 1, dict(lr=0.0))
     try:
         scores = torch.stack(reward.forward(samples, 512))
     finally:

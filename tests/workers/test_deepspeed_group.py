@@ -15,6 +15,7 @@ import torch
 
 from rlhf.data.types import Sample
 from rlhf.trainer.objectives import SFTObjective, ValueObjective
+from rlhf.trainer.pref_objectives import RMObjective
 from rlhf.workers.group import ModelGroup
 from rlhf.workers.placement import Placement, create_placement_group
 
@@ -107,10 +108,12 @@ def vocab(model_dir) -> int:
     return AutoConfig.from_pretrained(str(model_dir)).vocab_size
 
 
-def _start(role: str, model_dir: Path, num_ranks: int, stage: int, ckpt: Path, placement=None) -> ModelGroup:
+def _start(
+    role: str, model_dir: Path, num_ranks: int, stage: int, ckpt: Path, placement=None, **ds
+) -> ModelGroup:
     t0 = time.perf_counter()
     group = ModelGroup(
-        role, str(model_dir), num_ranks, dict(DS, zero_stage=stage), placement=placement, seed=0
+        role, str(model_dir), num_ranks, dict(DS, zero_stage=stage, **ds), placement=placement, seed=0
     )
     if role in ("actor", "critic"):
         group.save_checkpoint(str(ckpt), {"step": 0}, tag="init")
@@ -247,7 +250,7 @@ def test_colocated_critic_and_reward_on_one_placement_group(ray_session, model_d
                 torch.testing.assert_close(v[1:], full[:-1], atol=1e-5, rtol=0)
                 assert v[0] == 0
                 last.append(full[-1])
-        reward = _start("reward", tmp_path / "rm", 2, 3, tmp_path / "unused", half)
+        reward = _start("reward", tmp_path / "rm", 2, 3, tmp_path / "unused", half, lr=0.0)
         groups.append(reward)
         scores = reward.forward(samples, BUDGET)
         torch.testing.assert_close(torch.stack(scores), torch.stack(last), atol=1e-5, rtol=0)
@@ -259,6 +262,25 @@ def test_colocated_critic_and_reward_on_one_placement_group(ray_session, model_d
         for g in groups:
             g.shutdown()
         ray_session.util.remove_placement_group(pg)
+
+
+def test_reward_role_trains_only_with_positive_lr(ray_session, model_dir, vocab) -> None:
+    """lr=0 (PPO's reward model): train refused; lr>0 (reward-model training): the pair loss falls."""
+    samples = _samples(vocab, seed=6, lengths=[(9, 4), (9, 4), (12, 5), (7, 5)])
+    pairs = [[0, 1], [2, 3]]
+    frozen = ModelGroup("reward", str(model_dir), 1, dict(DS, zero_stage=2, lr=0.0))
+    try:
+        with pytest.raises(ray_session.exceptions.RayTaskError, match=r"inference-only.*lr > 0"):
+            frozen.train(samples, RMObjective(), BUDGET, units=pairs)
+    finally:
+        frozen.shutdown()
+    reward = ModelGroup("reward", str(model_dir), 1, dict(DS, zero_stage=2))
+    try:
+        losses = [reward.train(samples, RMObjective(), BUDGET, units=pairs)["loss"] for _ in range(3)]
+        assert losses[0] > losses[1] > losses[2]
+        assert reward.info()[0]["global_steps"] == 3
+    finally:
+        reward.shutdown()
 
 
 def test_missing_resources_error_names_cluster_fields(ray_session) -> None:
