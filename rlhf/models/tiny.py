@@ -32,8 +32,37 @@ def default_corpus() -> list[str]:
     words = [str(i) for i in range(100)]
     words += ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
     words += list("abcdefghijklmnopqrstuvwxyz")
-    words += ["count", "add", "sum", "the", "a", "is", "and", "what", "next", "please", "answer", "repeat", "say", "yes", "no", "ok"]
-    words += ["tool", "result", "call", "search", "user", "assistant", "system", "hello", "world", "good", "bad"]
+    words += [
+        "count",
+        "add",
+        "sum",
+        "the",
+        "a",
+        "is",
+        "and",
+        "what",
+        "next",
+        "please",
+        "answer",
+        "repeat",
+        "say",
+        "yes",
+        "no",
+        "ok",
+    ]
+    words += [
+        "tool",
+        "result",
+        "call",
+        "search",
+        "user",
+        "assistant",
+        "system",
+        "hello",
+        "world",
+        "good",
+        "bad",
+    ]
     return [" ".join(words)]
 
 

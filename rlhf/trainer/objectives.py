@@ -84,7 +84,9 @@ class Objective:
     def dummy_batch(self) -> FlatBatch:
         return dummy_flat_batch()
 
-    def __call__(self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float) -> tuple[torch.Tensor, Stats]:
+    def __call__(
+        self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float
+    ) -> tuple[torch.Tensor, Stats]:
         raise NotImplementedError
 
 
@@ -105,7 +107,9 @@ class PolicyObjective(Objective):
     entropy_coef: float = 0.0
     temperature: float = 1.0
 
-    def __call__(self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float) -> tuple[torch.Tensor, Stats]:
+    def __call__(
+        self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float
+    ) -> tuple[torch.Tensor, Stats]:
         from rlhf.models.forward import packed_logprobs
 
         _require(mb, "PolicyObjective", "old_logprobs", "advantages")
@@ -114,9 +118,15 @@ class PolicyObjective(Objective):
         logprobs, entropy = packed_logprobs(model, mb, temperature=self.temperature, return_entropy=True)
         mask, cu = mb.action_mask, mb.cu_seqlens
         policy_loss, stats = ppo_policy_loss(
-            logprobs, mb.old_logprobs, mb.advantages, mask, cu,
-            clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
-            dual_clip=self.dual_clip or None, aggregation=self.aggregation,
+            logprobs,
+            mb.old_logprobs,
+            mb.advantages,
+            mask,
+            cu,
+            clip_eps_low=self.clip_eps_low,
+            clip_eps_high=self.clip_eps_high,
+            dual_clip=self.dual_clip or None,
+            aggregation=self.aggregation,
         )
         loss = policy_loss
         if self.kl_coef_in_loss:
@@ -137,14 +147,21 @@ class ValueObjective(Objective):
 
     clip_eps: float | None = 0.2
 
-    def __call__(self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float) -> tuple[torch.Tensor, Stats]:
+    def __call__(
+        self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float
+    ) -> tuple[torch.Tensor, Stats]:
         from rlhf.models.forward import packed_hidden_values
 
         _require(mb, "ValueObjective", "values", "returns")
         values = packed_hidden_values(model, mb)
         loss, stats = value_loss(
-            values, mb.values, mb.returns, mb.action_mask, mb.cu_seqlens,
-            clip_eps=self.clip_eps or None, aggregation=self.aggregation,
+            values,
+            mb.values,
+            mb.returns,
+            mb.action_mask,
+            mb.cu_seqlens,
+            clip_eps=self.clip_eps or None,
+            aggregation=self.aggregation,
         )
         stats["loss"] = loss.detach()
         return loss * loss_scale, stats
@@ -154,7 +171,9 @@ class ValueObjective(Objective):
 class SFTObjective(Objective):
     """Negative log-likelihood of the ``action_mask`` tokens (the assistant turns)."""
 
-    def __call__(self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float) -> tuple[torch.Tensor, Stats]:
+    def __call__(
+        self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float
+    ) -> tuple[torch.Tensor, Stats]:
         from rlhf.models.forward import packed_logprobs
 
         logprobs, _ = packed_logprobs(model, mb)

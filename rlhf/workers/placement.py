@@ -71,7 +71,9 @@ def create_placement_group(
 def bundle_strategy(pg: PlacementGroup, bundle_index: int) -> PlacementGroupSchedulingStrategy:
     """Scheduling strategy pinning an actor (and the tasks it starts) to bundle ``bundle_index``."""
     return PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=bundle_index, placement_group_capture_child_tasks=True
+        placement_group=pg,
+        placement_group_bundle_index=bundle_index,
+        placement_group_capture_child_tasks=True,
     )
 
 
@@ -122,4 +124,3 @@ class Placement:
         if self.pg is not None:
             opts["scheduling_strategy"] = bundle_strategy(self.pg, self.bundle_indices[rank])
         return opts
-

@@ -62,8 +62,20 @@ __all__ = [
 # Keys ``generate`` understands; anything else is a typo or an unsupported vLLM option and is refused
 # rather than silently ignored.
 SAMPLING_KEYS = frozenset(
-    {"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "seed",
-     "logprobs", "ignore_eos", "repetition_penalty"}
+    {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "min_tokens",
+        "stop_token_ids",
+        "seed",
+        "logprobs",
+        "ignore_eos",
+        "repetition_penalty",
+    }
 )
 
 # Environment the engine needs on a CPU-only host: a small KV cache (GiB) and the engine core in
@@ -82,8 +94,13 @@ def default_engine_env(num_gpus: float) -> dict[str, str]:
     if num_gpus > 0:
         # One engine per actor, TP=1: keep the engine core in-process (no extra CUDA context).
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "VLLM_CPU_KVCACHE_SPACE",
-                "VLLM_CPU_OMP_THREADS_BIND"):
+    for key in (
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_HOME",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+    ):
         if key in os.environ:
             env[key] = os.environ[key]
     return env
@@ -101,8 +118,10 @@ def check_sampling(sampling: Mapping[str, Any]) -> None:
     if temperature < 0:
         raise ValueError(f"sampling['temperature'] must be >= 0, got {temperature}")
     if temperature == 0 and n > 1:
-        raise ValueError(f"sampling['n']={n} with temperature 0 (greedy) would return {n} identical "
-                         "completions; vLLM refuses it: use n=1 or a temperature > 0")
+        raise ValueError(
+            f"sampling['n']={n} with temperature 0 (greedy) would return {n} identical "
+            "completions; vLLM refuses it: use n=1 or a temperature > 0"
+        )
     max_tokens = sampling.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"sampling['max_tokens'] must be an int >= 1 or None, got {max_tokens!r}")
@@ -111,7 +130,9 @@ def check_sampling(sampling: Mapping[str, Any]) -> None:
         raise ValueError(f"sampling['logprobs'] must be 0 (sampled token) or None, got {logprobs!r}")
     seed = sampling.get("seed")
     if seed is not None and not isinstance(seed, (int, list)):
-        raise ValueError(f"sampling['seed'] must be an int, a list of ints (one per prompt) or None, got {seed!r}")
+        raise ValueError(
+            f"sampling['seed'] must be an int, a list of ints (one per prompt) or None, got {seed!r}"
+        )
 
 
 def validate_prompts(prompts: list[list[int]], max_model_len: int) -> None:
@@ -141,7 +162,9 @@ def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _per_prompt_seeds(seed: int | list[int] | None, num_prompts: int, n: int, offset: int = 0) -> list[int | None]:
+def _per_prompt_seeds(
+    seed: int | list[int] | None, num_prompts: int, n: int, offset: int = 0
+) -> list[int | None]:
     if seed is None:
         return [None] * num_prompts
     if isinstance(seed, list):
@@ -266,17 +289,35 @@ class RolloutEngine:
         n = sampling.get("n", 1)
         logprobs = sampling.get("logprobs", 0)
         seeds = _per_prompt_seeds(sampling.get("seed"), len(prompt_token_ids), n)
-        common = {k: sampling[k] for k in ("temperature", "top_p", "top_k", "min_p", "min_tokens",
-                                           "stop_token_ids", "ignore_eos", "repetition_penalty")
-                  if sampling.get(k) is not None}
+        common = {
+            k: sampling[k]
+            for k in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "min_tokens",
+                "stop_token_ids",
+                "ignore_eos",
+                "repetition_penalty",
+            )
+            if sampling.get(k) is not None
+        }
         params = []
         for p, seed in zip(prompt_token_ids, seeds, strict=True):
             room = self.max_model_len - len(p)
             max_tokens = min(sampling.get("max_tokens") or room, room)
-            params.append(SamplingParams(
-                n=n, max_tokens=max_tokens, seed=seed, logprobs=logprobs, detokenize=False,
-                flat_logprobs=True, **common,
-            ))
+            params.append(
+                SamplingParams(
+                    n=n,
+                    max_tokens=max_tokens,
+                    seed=seed,
+                    logprobs=logprobs,
+                    detokenize=False,
+                    flat_logprobs=True,
+                    **common,
+                )
+            )
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results: list[list[dict]] = []
@@ -286,11 +327,13 @@ class RolloutEngine:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 num_tokens += len(ids)
-                comps.append({
-                    "token_ids": ids,
-                    "logprobs": _sampled_logprobs(ids, c.logprobs) if logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                })
+                comps.append(
+                    {
+                        "token_ids": ids,
+                        "logprobs": _sampled_logprobs(ids, c.logprobs) if logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             results.append(comps)
         s = self._stats
         s["generate_calls"] += 1
@@ -300,7 +343,9 @@ class RolloutEngine:
         s["generate_s"] += time.perf_counter() - t0
         return results
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
         """Load HF-named full tensors into every worker, then drop the prefix cache.
 
         The prefix cache holds KV computed with the old weights; reusing it would make the
@@ -316,8 +361,10 @@ class RolloutEngine:
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
-            raise RolloutEngineError("vLLM refused to reset the prefix cache after a weight update "
-                                     "(requests still running?); stale KV would mix old and new weights")
+            raise RolloutEngineError(
+                "vLLM refused to reset the prefix cache after a weight update "
+                "(requests still running?); stale KV would mix old and new weights"
+            )
 
     # GPU path (untested here: no GPU on the CI machine). vLLM's own NCCL weight-transfer engine;
     # the engine must be built with extra={"weight_transfer_config": {"backend": "nccl"}}.
@@ -402,8 +449,10 @@ class RolloutPool:
         if placement_group is not None:
             bundle_indices = list(range(num_engines)) if bundle_indices is None else list(bundle_indices)
             if len(bundle_indices) != num_engines:
-                raise ValueError(f"{len(bundle_indices)} bundle_indices for {num_engines} rollout engines; "
-                                 "give one bundle per engine")
+                raise ValueError(
+                    f"{len(bundle_indices)} bundle_indices for {num_engines} rollout engines; "
+                    "give one bundle per engine"
+                )
         self.num_engines = num_engines
         self.engine_kwargs = dict(engine_kwargs)
         self.max_model_len = int(engine_kwargs["max_model_len"])
@@ -527,11 +576,15 @@ class RolloutPool:
             if hi > lo:
                 shard = results[i]
                 if len(shard) != hi - lo:
-                    raise RolloutEngineError(f"rollout engine {i} returned {len(shard)} results for {hi - lo} prompts")
+                    raise RolloutEngineError(
+                        f"rollout engine {i} returned {len(shard)} results for {hi - lo} prompts"
+                    )
                 out.extend(shard)
         return out
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
         """Put HF-named tensors in the object store once and have every engine load them.
 
         Tensors are detached and copied to CPU first (a CUDA tensor in the object store would pin

@@ -112,10 +112,12 @@ def pool(ray_session, model_dir):
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-def hf_token_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+def hf_token_logprobs(
+    model, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """log p(response_t | prefix) under ``log_softmax(logits / temperature)``."""
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
@@ -302,8 +304,9 @@ def _fake_engine_cls(marker_dir: str):
                 Path(marker_dir, f"{self.prefix}{deaths}").touch()
                 os._exit(1)
             w = float(self.weights["w"]) if hasattr(self, "weights") else 0.0
-            return [[{"token_ids": list(p), "logprobs": [w] * len(p), "finish_reason": "length"}]
-                    for p in prompts]
+            return [
+                [{"token_ids": list(p), "logprobs": [w] * len(p), "finish_reason": "length"}] for p in prompts
+            ]
 
     return FlakyEngine
 
