@@ -173,7 +173,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 0  # 0 = only at the end
     output_dir: str = "runs/ppo"
-    resume: bool = True  # resume from output_dir/checkpoints/latest when present
+    resume: bool = False  # True = continue from output_dir/checkpoints/latest when present
     tensorboard: bool = True
     wandb_project: str = ""  # "" = wandb off
 

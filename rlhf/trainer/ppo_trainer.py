@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from rlhf.algorithms.masking import masked_mean
-from rlhf.data.packing import concat
+from rlhf.data.packing import concat, plan_bins
 from rlhf.data.prompts import PromptLoader
 from rlhf.data.types import Sample
 from rlhf.trainer.advantage_step import advantage_step
@@ -20,6 +20,22 @@ from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.tracking import Tracker
 
 log = logging.getLogger("rlhf")
+
+
+def packing_metrics(samples: list[Sample], budget: int) -> dict[str, float]:
+    """Packed rows hold only real tokens, so the padding a trainer would waste is reported as
+    ``left_pad_fraction``: the share of pads in one left-padded batch of the same samples
+    (OpenRLHF/DeepSpeed-Chat layout). ``budget_fill`` is how full the packed rows are."""
+    lens = [len(s) for s in samples]
+    prompt = max(s.response_start for s in samples)
+    resp = max(len(s) - s.response_start for s in samples)
+    bins = plan_bins(lens, budget)
+    real = sum(lens)
+    return {
+        "packing/left_pad_fraction": 1.0 - real / (len(samples) * (prompt + resp)),
+        "packing/budget_fill": real / (len(bins) * budget),
+        "packing/micro_batches": float(len(bins)),
+    }
 
 
 class PPOTrainer:
@@ -82,7 +98,7 @@ class PPOTrainer:
                 tracker.log(
                     self.step,
                     {
-                        **self.rollout_metrics(samples, rstats),
+                        **self.rollout_metrics(samples, rstats, t.max_tokens_per_microbatch),
                         **adv_stats,
                         **train_stats,
                         "time/generate_s": t_gen - t0,
@@ -116,7 +132,7 @@ class PPOTrainer:
         self.w.rollout.update_weights(self.w.actor.get_weights())
 
     @staticmethod
-    def rollout_metrics(samples: list[Sample], rstats: RolloutStats) -> dict[str, float]:
+    def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:
         batch = concat(samples)
         scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
         m = {
@@ -129,6 +145,7 @@ class PPOTrainer:
             "rollout/truncated": rstats.truncated,
             "rollout/dropped_non_finite": rstats.dropped_non_finite,
         }
+        m.update(packing_metrics(samples, budget))
         if batch.rollout_logprobs is not None and batch.old_logprobs is not None and batch.action_mask.any():
             # Engine vs trainer logprob gap: large values mean the weight sync or sampling is off.
             gap = (batch.rollout_logprobs - batch.old_logprobs).abs()

@@ -1,0 +1,59 @@
+"""The main job (`python -m rlhf.ppo`, README) on the local CPU: real Ray, vLLM, DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.config import compose
+
+pytestmark = pytest.mark.e2e
+
+
+def test_default_job_reward_rises(tmp_path):
+    """The default experiment, shortened: the toy reward must visibly rise."""
+    from rlhf.ppo import run
+
+    cfg = compose("ppo", [f"train.output_dir={tmp_path}", "train.num_steps=40", "train.tensorboard=false"])
+    history = run(cfg)
+    rewards = [h["reward/mean"] for h in history]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.05, f"reward did not rise: first 8 steps {first:.3f}, last 8 steps {last:.3f}"
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert all(0 < r["packing/budget_fill"] <= 1 and r["packing/left_pad_fraction"] > 0 for r in rows)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_40"
+
+
+def test_cli_rejects_bad_key_before_starting_anything(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf.ppo", "algorithm.not_a_key=1", f"train.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "algorithm.not_a_key" in proc.stderr
+    assert not (tmp_path / "tiny_model").exists()
+
+
+def test_cli_semantic_error_names_field(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf.ppo",
+            "algorithm=rloo",
+            "rollout.n_samples_per_prompt=1",
+            f"train.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "rollout.n_samples_per_prompt" in proc.stderr
