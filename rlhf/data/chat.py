@@ -37,7 +37,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             yield lineno, row
 
 
-def _messages(value, where: str, field: str) -> list[dict]:
+def messages_field(value, where: str, field: str) -> list[dict]:
     if isinstance(value, str):
         if not value.strip():
             raise DataRowError(f"{where}: field {field!r} is empty")
@@ -93,19 +93,38 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str = "row") -
     return Sample(input_ids=torch.tensor(ids), action_mask=torch.tensor(mask), info={"where": where})
 
 
+def iter_hf(spec: str) -> Iterator[tuple[int, dict]]:
+    """Rows of a Hugging Face dataset: ``hf:NAME_OR_DIR`` or ``hf:NAME_OR_DIR:SPLIT`` (default train).
+
+    Needs the optional ``datasets`` package; with ``HF_HUB_OFFLINE=1`` only local or cached
+    datasets load.
+    """
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataRowError(f"data source {spec!r} needs the `datasets` package: pip install datasets") from e
+    name, _, split = spec[len("hf:") :].partition(":")
+    for i, row in enumerate(datasets.load_dataset(name, split=split or "train"), 1):
+        yield i, dict(row)
+
+
 def iter_rows(source: str | Path, kind: str, num_toy: int = 256, seed: int = 0) -> Iterator[tuple[int, dict]]:
-    """Rows of a JSONL file, or of the bundled toy task when ``source`` is ``"toy:count"``."""
-    if str(source) == "toy:count":
+    """Rows of a JSONL file, a Hugging Face dataset (``hf:NAME[:SPLIT]``), or the bundled toy
+    task (``toy:count``; ``kind`` picks its chats ``"sft"`` or preference pairs ``"pref"``)."""
+    source = str(source)
+    if source == "toy:count":
         from rlhf.data.toy import toy_preference_rows, toy_sft_rows
 
         rows = toy_sft_rows(num_toy, seed) if kind == "sft" else toy_preference_rows(num_toy, seed)
         yield from enumerate(rows, 1)
-        return
-    if str(source).startswith("toy:"):
+    elif source.startswith("toy:"):
         raise DataRowError(f"data.path={source!r}: unknown toy task (available: toy:count)")
-    if not Path(source).is_file():
+    elif source.startswith("hf:"):
+        yield from iter_hf(source)
+    elif not Path(source).is_file():
         raise DataRowError(f"data.path={source!r}: no such file")
-    yield from iter_jsonl(source)
+    else:
+        yield from iter_jsonl(source)
 
 
 def load_sft(
@@ -116,11 +135,11 @@ def load_sft(
     for lineno, row in iter_rows(path, "sft", num_toy, seed):
         where = f"{path}:{lineno}"
         if "messages" in row:
-            msgs = _messages(row["messages"], where, "messages")
+            msgs = messages_field(row["messages"], where, "messages")
         elif "prompt" in row and "completion" in row:
             if not isinstance(row["completion"], str) or not row["completion"].strip():
                 raise DataRowError(f"{where}: field 'completion' is empty")
-            msgs = _messages(row["prompt"], where, "prompt") + [
+            msgs = messages_field(row["prompt"], where, "prompt") + [
                 {"role": "assistant", "content": row["completion"]}
             ]
         else:
@@ -150,7 +169,7 @@ def load_preferences(
         for field in ("prompt", "chosen", "rejected"):
             if field not in row:
                 raise DataRowError(f"{where}: missing field {field!r}")
-        prompt = _messages(row["prompt"], where, "prompt")
+        prompt = messages_field(row["prompt"], where, "prompt")
         pair = []
         for field in ("chosen", "rejected"):
             value = row[field]

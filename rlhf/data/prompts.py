@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,36 +25,21 @@ def toy_count_messages(n: int, seed: int) -> list[list[dict]]:
     return out
 
 
-def read_jsonl(path: str | Path, key: str) -> list[list[dict]]:
-    """Rows ``{key: "text"}`` or ``{key: [{"role":..., "content":...}, ...]}``.
+def read_prompt_rows(source: str, key: str) -> list[list[dict]]:
+    """Prompts from a JSONL file or ``hf:NAME[:SPLIT]``: rows ``{key: "text"}`` or
+    ``{key: [{"role": ..., "content": ...}, ...]}``. Errors name the row and the field."""
+    from rlhf.data.chat import DataRowError, iter_hf, iter_jsonl, messages_field
 
-    Errors name the file, the row number and the missing or malformed field.
-    """
+    if not source.startswith("hf:") and not Path(source).is_file():
+        raise DataRowError(f"data.prompts={source!r}: no such file (or use toy:count / hf:NAME)")
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-            if key not in row:
-                raise ValueError(
-                    f"{path}:{lineno}: missing field {key!r} (set data.prompt_key to the field name)"
-                )
-            value = row[key]
-            if isinstance(value, str):
-                if not value.strip():
-                    raise ValueError(f"{path}:{lineno}: field {key!r} is empty")
-                value = [{"role": "user", "content": value}]
-            if not isinstance(value, list) or not all(isinstance(m, dict) and "content" in m for m in value):
-                raise ValueError(
-                    f"{path}:{lineno}: field {key!r} must be a string or a list of chat messages"
-                )
-            rows.append(value)
+    for lineno, row in iter_hf(source) if source.startswith("hf:") else iter_jsonl(source):
+        where = f"{source}:{lineno}"
+        if key not in row:
+            raise DataRowError(f"{where}: missing field {key!r} (set data.prompt_key to the field name)")
+        rows.append(messages_field(row[key], where, key))
     if not rows:
-        raise ValueError(f"{path}: no prompts found")
+        raise DataRowError(f"{source}: no prompts found")
     return rows
 
 
@@ -78,7 +62,7 @@ def load_prompts(
     elif source.startswith("toy:"):
         raise ValueError(f"data.prompts={source!r}: unknown toy task (available: toy:count)")
     else:
-        convs = read_jsonl(source, key)
+        convs = read_prompt_rows(source, key)
     prompts, skipped = [], 0
     for i, msgs in enumerate(convs):
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
