@@ -57,3 +57,39 @@ def test_cli_semantic_error_names_field(tmp_path):
     )
     assert proc.returncode != 0
     assert "rollout.n_samples_per_prompt" in proc.stderr
+
+
+def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_dir):
+    """Non-colocated roles (one placement group each), a reward *model* instead of a function."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlhf.models.forward import build_value_model
+    from rlhf.ppo import run
+
+    rm_dir = tmp_path / "rm"
+    rm = build_value_model(tiny_llama_dir, init_from_causal_lm=True)
+    with torch.no_grad():  # a reward model that prefers some tokens over others, not all-zero scores
+        rm.score.weight.normal_(0, 0.5)
+    rm.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(rm_dir)
+    cfg = compose(
+        "ppo",
+        [
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.num_steps=2",
+            "train.tensorboard=false",
+            f"model.path={tiny_llama_dir}",
+            "algorithm=reinforce_pp",
+            "cluster.colocate=false",
+            "reward.type=model",
+            f"reward.model_path={rm_dir}",
+            "reward.clip=0",
+        ],
+    )
+    history = run(cfg)
+    assert len(history) == 2
+    for h in history:
+        assert torch.isfinite(torch.tensor([h["policy/loss"], h["reward/mean"], h["kl"]])).all(), h
+        assert "critic/loss" not in h  # REINFORCE++ has no critic
+    assert history[0]["reward/std"] > 0, "reward-model scores should vary across samples"
