@@ -33,3 +33,22 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rlhf.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session (8 logical CPUs on the 2 cores: the workers mostly wait).
+
+    Started only if Ray is not up yet, and shut down at the end only if started here. Yields
+    the ``ray`` module. A module fixture that starts Ray itself must likewise leave running a
+    Ray it did not start.
+    """
+    ray = pytest.importorskip("ray")
+    from rlhf.trainer.setup import CPU_ENV
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
+    yield ray
+    if started:
+        ray.shutdown()

@@ -1,5 +1,7 @@
-"""Training-side pieces that run on the model workers.
+"""Drivers and the losses they send to the model workers.
 
-``objectives``: picklable loss objectives (PPO policy, value, SFT; DPO/RM to come) that a
-``rlhf.workers.group.ModelGroup`` sends to every DeepSpeed rank with each train call.
+``ppo_trainer`` (thin ``fit()``), ``experience`` (rollout -> scored samples),
+``advantage_step``; ``sft_trainer``, ``dpo_trainer``, ``rm_trainer``. Objectives are
+picklable losses a ``rlhf.workers.group.ModelGroup`` sends to every DeepSpeed rank:
+``objectives`` (PPO policy, value, SFT) and ``pref_objectives`` (DPO, reward model).
 """

@@ -181,4 +181,4 @@ class SFTObjective(Objective):
         return loss * loss_scale, {"loss": loss.detach()}
 
 
-# DPO / reward-model objectives go below (see "Extension point" in the module docstring).
+# Pairwise objectives (DPO, reward model) live in rlhf.trainer.pref_objectives.

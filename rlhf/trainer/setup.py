@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,18 +87,44 @@ class Workers:
     reference: Any = None
     critic: Any = None
     reward_model: Any = None
+    placement_groups: list = field(default_factory=list)
 
     def shutdown(self) -> None:
+        """Stop every engine and rank, then free the placement groups they were reserved in."""
+        import ray
+
         for w in (self.rollout, self.actor, self.reference, self.critic, self.reward_model):
             if w is not None:
                 w.shutdown()
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+        self.placement_groups.clear()
+
+
+def _rollout_pool(cfg, model_dir: str):
+    from rlhf.workers.rollout import RolloutPool
+
+    r, c = cfg.rollout, cfg.cluster
+    return RolloutPool(
+        r.num_engines,
+        {
+            "model_path": model_dir,
+            "max_model_len": r.max_model_len,
+            "seed": cfg.train.seed,
+            "dtype": r.dtype,
+            "gpu_memory_utilization": r.gpu_memory_utilization,
+            "enforce_eager": r.enforce_eager,
+        },
+        num_cpus_per_engine=c.cpus_per_engine,
+        num_gpus_per_engine=c.gpus_per_engine,
+        max_restarts=r.max_restarts,
+    )
 
 
 def build_workers(cfg, model_dir: str) -> Workers:
     """Rollout engines and DeepSpeed groups placed per ``cluster.*``."""
     from rlhf.workers.group import ModelGroup
     from rlhf.workers.placement import Placement, create_placement_group
-    from rlhf.workers.rollout import RolloutPool
 
     c, a, t = cfg.cluster, cfg.algorithm, cfg.train
     roles: list[tuple[str, int, str, float]] = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
@@ -107,44 +134,52 @@ def build_workers(cfg, model_dir: str) -> Workers:
         roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
     if cfg.reward.type == "model":
         roles.append(("reward", c.reward_ranks, cfg.reward.model_path, 0.0))
+    # Unique names: Ray refuses a second live placement group of the same name (two jobs on
+    # one cluster, or a test session building workers twice).
+    tag = uuid.uuid4().hex[:8]
     placements: dict[str, Placement] = {}
-    if c.colocate:
-        # Rank i of every role shares bundle i (OpenRLHF colocation); each actor asks its share.
-        n = max(r[1] for r in roles)
-        pg = create_placement_group(
-            n, c.cpus_per_worker * len(roles), c.gpus_per_worker * len(roles), name="rlhf-train"
-        )
-        for role, ranks, _, _ in roles:
-            placements[role] = Placement.on_bundles(pg, ranks, c.cpus_per_worker, c.gpus_per_worker)
-    else:
-        for role, ranks, _, _ in roles:
-            pg = create_placement_group(ranks, c.cpus_per_worker, c.gpus_per_worker, name=f"rlhf-{role}")
-            placements[role] = Placement.on_bundles(pg, ranks, c.cpus_per_worker, c.gpus_per_worker)
-    groups = {
-        role: ModelGroup(
-            role, path, ranks, ds_config(t, lr), placements[role], attn_impl=cfg.model.attn_impl, seed=t.seed
-        )
-        for role, ranks, path, lr in roles
-    }
-    r = cfg.rollout
-    pool = RolloutPool(
-        r.num_engines,
-        {
-            "model_path": model_dir,
-            "max_model_len": r.max_model_len,
-            "seed": t.seed,
-            "dtype": r.dtype,
-            "gpu_memory_utilization": r.gpu_memory_utilization,
-            "enforce_eager": r.enforce_eager,
-        },
-        num_cpus_per_engine=c.cpus_per_engine,
-        num_gpus_per_engine=c.gpus_per_engine,
-        max_restarts=r.max_restarts,
-    )
+    pgs = []
+    groups: dict[str, ModelGroup] = {}
+    try:
+        if c.colocate:
+            # Rank i of every role shares bundle i (OpenRLHF colocation); each actor asks its share.
+            n = max(r[1] for r in roles)
+            k = len(roles)
+            pgs.append(
+                create_placement_group(n, c.cpus_per_worker * k, c.gpus_per_worker * k, name=f"rlhf-{tag}")
+            )
+            for role, ranks, _, _ in roles:
+                placements[role] = Placement.on_bundles(pgs[0], ranks, c.cpus_per_worker, c.gpus_per_worker)
+        else:
+            for role, ranks, _, _ in roles:
+                pgs.append(
+                    create_placement_group(
+                        ranks, c.cpus_per_worker, c.gpus_per_worker, name=f"rlhf-{role}-{tag}"
+                    )
+                )
+                placements[role] = Placement.on_bundles(pgs[-1], ranks, c.cpus_per_worker, c.gpus_per_worker)
+        for role, ranks, path, lr in roles:
+            groups[role] = ModelGroup(
+                role,
+                path,
+                ranks,
+                ds_config(t, lr),
+                placements[role],
+                attn_impl=cfg.model.attn_impl,
+                seed=t.seed,
+            )
+        pool = _rollout_pool(cfg, model_dir)
+    except BaseException:
+        # Free what was reserved so a failed start does not hold the cluster's resources.
+        for g in groups.values():
+            g.shutdown()
+        Workers(rollout=None, actor=None, placement_groups=pgs).shutdown()
+        raise
     return Workers(
         rollout=pool,
         actor=groups["actor"],
         reference=groups.get("reference"),
         critic=groups.get("critic"),
         reward_model=groups.get("reward"),
+        placement_groups=pgs,
     )

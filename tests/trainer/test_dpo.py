@@ -15,6 +15,8 @@ from rlhf.data.types import Sample
 from rlhf.models.forward import packed_logprobs
 from rlhf.trainer.pref_objectives import DPOObjective, pair_layout, sequence_logprob_sums
 
+from ._helpers import tiny_trainer_cfg
+
 ray = pytest.importorskip("ray")
 
 
@@ -129,63 +131,47 @@ def test_dpo_objective_equals_dpo_loss_on_reference_sums(lm, pairs, beta, label_
     assert dummy.num_samples == 2 and float(loss.detach()) == 0.0
 
 
-def test_trainer_passes_pairs_as_units_and_needs_reference(tmp_path, pairs):
+def test_trainer_needs_reference_logprobs(tmp_path, pairs):
     from rlhf.trainer.dpo_trainer import DPOTrainer
-
-    calls = []
-
-    class FakeGroup:
-        def train(self, samples, objective, budget, num_minibatches=1, units=None):
-            calls.append((samples, units))
-            return {"loss": 0.5, "grad_norm": 0.1, "lr": 1e-3, "num_optimizer_steps": 1.0}
 
     cfg = compose("dpo", [f"train.output_dir={tmp_path}", "train.batch_size=3"])
     bare = [(Sample(c.input_ids, c.action_mask), Sample(r.input_ids, r.action_mask)) for c, r in pairs[:4]]
+    # Refused in the constructor, before the group is used: no group is needed to check it.
     with pytest.raises(ValueError, match="fill_reference"):
-        DPOTrainer(cfg, FakeGroup(), bare)
-    for c, r in bare:
+        DPOTrainer(cfg, None, bare)
+    for c, r in bare[:3]:
         c.ref_logprobs, r.ref_logprobs = torch.zeros(len(c)), torch.zeros(len(r))
-    trainer = DPOTrainer(cfg, FakeGroup(), bare)
-    trainer.train_step(trainer.train_units[:3])
-    samples, units = calls[0]
-    assert units == [[0, 1], [2, 3], [4, 5]]
-    assert all(samples[2 * k] is trainer.train_units[k][0] for k in range(3))
-    assert all(samples[2 * k + 1] is trainer.train_units[k][1] for k in range(3))
+    assert len(DPOTrainer(cfg, None, bare[:3]).train_units) == 3
+    # One held-out sample without a reference is enough.
+    with pytest.raises(ValueError, match="fill_reference"):
+        DPOTrainer(cfg, None, bare[:3], eval_pairs=[(bare[0][0], bare[3][1])])
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from rlhf.trainer.setup import CPU_ENV
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
-    yield
-    if started:
-        ray.shutdown()
-
-
-def _cfg(tmp_path, model_dir, *overrides):
-    return compose(
-        "dpo",
-        [
-            f"model.path={model_dir}",
-            f"train.output_dir={tmp_path}",
-            "train.tensorboard=false",
-            "data.num_toy=24",
-            "data.eval_size=4",
-            "train.batch_size=8",
-            *overrides,
-        ],
-    )
-
-
-def test_dpo_steps_through_the_group_raise_the_margin(ray_session, tmp_path, tiny_llama_dir, pairs):
+def test_dpo_steps_through_the_group_keep_pairs_together_and_raise_the_margin(
+    ray_session, tmp_path, tiny_llama_dir, pairs
+):
     from rlhf.trainer.dpo_trainer import DPOTrainer, fill_reference
     from rlhf.trainer.sft_trainer import model_group
 
-    cfg = _cfg(tmp_path, tiny_llama_dir, "train.lr=0.001")
     pairs = [(Sample(c.input_ids, c.action_mask), Sample(r.input_ids, r.action_mask)) for c, r in pairs[:8]]
+    # A budget of about two pairs per micro-batch: packed sample by sample, some pair is split (checked
+    # here), and DPOObjective's pair_layout on the rank would raise. Only units=pairs trains.
+    budget = 48
+    samples, units = _flat(pairs)
+    with pytest.raises(ValueError, match="pairs"):
+        for mb in pack(samples, budget):
+            pair_layout(mb)
+    assert len(pack(samples, budget, units=units)) > 2
+    # data.max_len=24 (these samples are shorter): the config insists that 2 x data.max_len <= budget.
+    assert max(len(s) for s in samples) <= 24
+    cfg = tiny_trainer_cfg(
+        "dpo",
+        tmp_path,
+        tiny_llama_dir,
+        "train.lr=0.001",
+        "data.max_len=24",
+        f"train.max_tokens_per_microbatch={budget}",
+    )
     with model_group(cfg, "actor", str(tiny_llama_dir), 1, cfg.train.lr) as policy:
         # Before any step the policy *is* the reference (same weights): use it as such.
         fill_reference(policy, pairs, cfg.train.max_tokens_per_microbatch)
@@ -196,6 +182,8 @@ def test_dpo_steps_through_the_group_raise_the_margin(ray_session, tmp_path, tin
     assert before["rewards/margin"] == pytest.approx(0.0, abs=1e-4)
     assert before["loss"] == pytest.approx(torch.log(torch.tensor(2.0)).item(), abs=1e-4)
     assert stats[0]["loss"] == pytest.approx(before["loss"], abs=1e-4)
+    # The margin is measured with the true (chosen, rejected) order: a trainer that swapped them
+    # in a pair would lower it.
     assert after["rewards/margin"] > 0.05
     assert after["loss"] < before["loss"]
     assert stats[-1]["rewards/margin"] > stats[0]["rewards/margin"]
@@ -207,7 +195,7 @@ def test_dpo_entry_point_end_to_end(ray_session, tmp_path, tiny_llama_dir):
 
     from rlhf.dpo import run
 
-    history = run(_cfg(tmp_path, tiny_llama_dir, "train.max_steps=2"))
+    history = run(tiny_trainer_cfg("dpo", tmp_path, tiny_llama_dir, "train.max_steps=2"))
     assert [h["step"] for h in history] == [1, 2]
     # Step 1 trains the untouched policy: implicit rewards are exactly 0, loss log 2.
     assert history[0]["train/loss"] == pytest.approx(0.6931, abs=1e-3)

@@ -45,13 +45,21 @@ def world(tmp_path_factory, tiny_llama_dir):
 
     out = tmp_path_factory.mktemp("ppo")
     cfg = _cfg(out, f"model.path={tiny_llama_dir}")
+    started = not ray.is_initialized()  # else: the session's Ray (tests/conftest.py), left running
     init_ray(cfg.cluster)
     workers = build_workers(cfg, str(tiny_llama_dir))
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     prompts, _ = load_prompts("toy:count", tok, num_toy=32, max_len=cfg.data.max_prompt_len)
     yield {"cfg": cfg, "workers": workers, "tok": tok, "prompts": prompts, "model_dir": str(tiny_llama_dir)}
     workers.shutdown()
-    ray.shutdown()
+    # A shared Ray must get its CPUs back: Workers.shutdown frees the placement groups too.
+    assert all(
+        v["state"] == "REMOVED"
+        for v in ray.util.placement_group_table().values()
+        if v["name"].startswith("rlhf-")
+    )
+    if started:
+        ray.shutdown()
 
 
 def _trainer(world, tmp_path, **cfg_changes):

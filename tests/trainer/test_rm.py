@@ -12,6 +12,8 @@ from rlhf.data.packing import pack
 from rlhf.data.types import Sample
 from rlhf.trainer.pref_objectives import RMObjective
 
+from ._helpers import tiny_trainer_cfg
+
 ray = pytest.importorskip("ray")
 
 
@@ -62,33 +64,6 @@ def test_score_at_last_token_equals_per_sample_reference_and_loss_matches(rm, pa
     torch.testing.assert_close(total, pairwise_rm_loss(expected[0::2], expected[1::2]), rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from rlhf.trainer.setup import CPU_ENV
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
-    yield
-    if started:
-        ray.shutdown()
-
-
-def _cfg(tmp_path, model_dir, *overrides):
-    return compose(
-        "rm",
-        [
-            f"model.path={model_dir}",
-            f"train.output_dir={tmp_path}",
-            "train.tensorboard=false",
-            "data.num_toy=24",
-            "data.eval_size=4",
-            "train.batch_size=8",
-            *overrides,
-        ],
-    )
-
-
 def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
     ray_session, tmp_path, tiny_llama_dir, pairs
 ):
@@ -97,7 +72,7 @@ def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
     from rlhf.trainer.rm_trainer import RMTrainer
     from rlhf.trainer.sft_trainer import model_group
 
-    cfg = _cfg(tmp_path, tiny_llama_dir, "train.lr=0.002")
+    cfg = tiny_trainer_cfg("rm", tmp_path, tiny_llama_dir, "train.lr=0.002")
     pairs = pairs[:10]
     samples = [s for p in pairs for s in p]
     budget = cfg.train.max_tokens_per_microbatch
@@ -131,7 +106,7 @@ def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp
     from rlhf.rm import run
     from rlhf.workers.group import ModelGroup
 
-    history = run(_cfg(tmp_path, tiny_llama_dir, "train.max_steps=3"))
+    history = run(tiny_trainer_cfg("rm", tmp_path, tiny_llama_dir, "train.max_steps=3"))
     assert [h["step"] for h in history] == [1, 2, 3]
     assert "eval/scores/accuracy" in history[-1]
     final = tmp_path / "final"

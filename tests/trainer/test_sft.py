@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.config import compose
 from rlhf.data.chat import load_sft, tokenize_conversation
 from rlhf.data.packing import pack
 from rlhf.trainer.objectives import SFTObjective
+
+from ._helpers import tiny_trainer_cfg
 
 ray = pytest.importorskip("ray")
 
@@ -93,86 +94,89 @@ def test_packed_loss_equals_unpacked_reference(lm, samples, aggregation, budget)
     torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
 
 
-class _FakeGroup:
-    """Records what the trainer asks of a ModelGroup (the epoch loop without Ray)."""
+@pytest.fixture(scope="module")
+def sft_group(ray_session, tiny_llama_dir, tmp_path_factory):
+    """One real 1-rank actor group, shared by the ``fit`` tests (it keeps training across them).
 
-    def __init__(self):
-        self.calls, self.saved = [], []
+    Placed without a placement group: ``model_group``'s is named per role, and the other tests of
+    this module open their own ``rlhf-actor`` while this one is alive.
+    """
+    from rlhf.trainer.setup import ds_config
+    from rlhf.workers.group import ModelGroup
 
-    def train(self, samples, objective, budget, num_minibatches=1, units=None):
-        self.calls.append(([int(s.input_ids[1]) for s in samples], units, num_minibatches))
-        return {"loss": 1.0, "grad_norm": 0.5, "lr": 0.1, "num_optimizer_steps": 1.0}
+    cfg = tiny_trainer_cfg("sft", tmp_path_factory.mktemp("sft_group"), tiny_llama_dir)
+    group = ModelGroup(
+        "actor", str(tiny_llama_dir), 1, ds_config(cfg.train, cfg.train.lr), seed=cfg.train.seed
+    )
+    yield group
+    group.shutdown()
 
-    def forward(self, samples, budget):
-        return [torch.full((len(s),), -1.0) for s in samples]
 
-    def save_hf(self, path):
-        self.saved.append(path)
+def _record_train_calls(monkeypatch, group) -> list[tuple[list[int], object, int]]:
+    """Pass-through recorder, not a fake: logs what the trainer asks of ``group.train``, then runs it."""
+    calls = []
+    real_train = group.train
+
+    def train(samples, objective, budget, num_minibatches=1, units=None):
+        calls.append(([int(s.input_ids[1]) for s in samples], units, num_minibatches))
+        return real_train(samples, objective, budget, num_minibatches=num_minibatches, units=units)
+
+    monkeypatch.setattr(group, "train", train)
+    return calls
 
 
 @pytest.mark.parametrize(("max_steps", "steps"), [(0, 6), (4, 4)])
-def test_fit_runs_shuffled_epochs_evaluates_and_saves(tmp_path, max_steps, steps):
-    from rlhf.data.types import Sample
-    from rlhf.trainer.sft_trainer import SFTTrainer
+def test_fit_runs_shuffled_epochs_evaluates_and_saves(
+    sft_group, monkeypatch, tmp_path, tiny_llama_dir, max_steps, steps
+):
+    from transformers import AutoModelForCausalLM
 
-    data = [Sample(input_ids=[0, i, 1], action_mask=[0, 1, 1]) for i in range(10)]
-    cfg = compose(
+    from rlhf.data.types import Sample
+    from rlhf.trainer.sft_trainer import SFTTrainer, sft_nll
+
+    # Sample i is told apart by its second token, 10 + i.
+    data = [Sample(input_ids=[1, 10 + i, 30 + i, 2], action_mask=[0, 0, 1, 1]) for i in range(10)]
+    cfg = tiny_trainer_cfg(
         "sft",
-        [
-            f"train.output_dir={tmp_path}",
-            "train.tensorboard=false",
-            "train.epochs=2",
-            "train.batch_size=4",
-            f"train.max_steps={max_steps}",
-        ],
+        tmp_path,
+        tiny_llama_dir,
+        "train.epochs=2",
+        "train.batch_size=4",
+        f"train.max_steps={max_steps}",
     )
-    group = _FakeGroup()
-    history = SFTTrainer(cfg, group, data, eval_samples=data[:2]).fit()
-    assert len(group.calls) == len(history) == steps
-    assert [len(c[0]) for c in group.calls] == [4, 4, 2, 4, 4, 2][:steps]
-    assert all(units is None and n == 1 for _, units, n in group.calls)
+    calls = _record_train_calls(monkeypatch, sft_group)
+    steps_before = sft_group.info()[0]["global_steps"]
+    history = SFTTrainer(cfg, sft_group, data, eval_samples=data[:2]).fit()
+    assert len(calls) == len(history) == steps
+    # max_steps (or epochs x batches) optimizer steps really taken by the DeepSpeed engine
+    assert sft_group.info()[0]["global_steps"] - steps_before == steps
+    assert [len(c[0]) for c in calls] == [4, 4, 2, 4, 4, 2][:steps]
+    assert all(units is None and n == 1 for _, units, n in calls)
+    assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in history)
     if not max_steps:
-        epoch0, epoch1 = [sum((c[0] for c in group.calls[k : k + 3]), []) for k in (0, 3)]
-        assert sorted(epoch0) == sorted(epoch1) == list(range(10)) and epoch0 != epoch1
+        epoch0, epoch1 = [sum((c[0] for c in calls[k : k + 3]), []) for k in (0, 3)]
+        assert sorted(epoch0) == sorted(epoch1) == [10 + i for i in range(10)] and epoch0 != epoch1
     # eval at the end of each epoch, or at the last step when max_steps cuts the run short
     evals = [h["step"] for h in history if "eval/loss" in h]
     assert evals == ([3, 6] if not max_steps else [3, 4])
-    assert history[-1]["eval/loss"] == pytest.approx(1.0)
-    assert group.saved == [str(tmp_path / "final")]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    from rlhf.trainer.setup import CPU_ENV
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
-    yield
-    if started:
-        ray.shutdown()
-
-
-def _cfg(tmp_path, model_dir, *overrides):
-    return compose(
-        "sft",
-        [
-            f"model.path={model_dir}",
-            f"train.output_dir={tmp_path}",
-            "train.tensorboard=false",
-            "data.num_toy=24",
-            "data.eval_size=4",
-            "train.batch_size=8",
-            *overrides,
-        ],
-    )
+    # The last eval saw the final weights: the held-out NLL under the group's own forward now.
+    eval_samples = data[:2]
+    final_nll = sft_nll(sft_group.forward(eval_samples, cfg.train.max_tokens_per_microbatch), eval_samples)
+    assert history[-1]["eval/loss"] == pytest.approx(final_nll, rel=1e-5)
+    assert history[-1]["eval/loss"] != pytest.approx(history[2]["eval/loss"], rel=1e-4)
+    # <output_dir>/final is a transformers model holding exactly the trained weights.
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).state_dict()
+    weights = sft_group.get_weights()
+    assert set(weights) <= set(saved)
+    for name, w in weights.items():
+        torch.testing.assert_close(saved[name], w.float(), msg=name)
 
 
 def test_sft_steps_through_the_group_decrease_loss(ray_session, tmp_path, tiny_llama_dir, tok):
     from rlhf.trainer.sft_trainer import SFTTrainer, model_group
 
     # Two ranks: dealing, dummy slots and the rank-weighted loss normaliser are all in play.
-    cfg = _cfg(tmp_path, tiny_llama_dir, "cluster.actor_ranks=2", "train.lr=0.002")
+    cfg = tiny_trainer_cfg("sft", tmp_path, tiny_llama_dir, "cluster.actor_ranks=2", "train.lr=0.002")
     data, _ = load_sft("toy:count", tok, max_len=128, num_toy=12, seed=3)
     with model_group(cfg, "actor", str(tiny_llama_dir), 2, cfg.train.lr) as group:
         trainer = SFTTrainer(cfg, group, data, eval_samples=data)
@@ -191,7 +195,7 @@ def test_sft_entry_point_end_to_end(ray_session, tmp_path, tiny_llama_dir):
 
     from rlhf.sft import run
 
-    cfg = _cfg(tmp_path, tiny_llama_dir, "train.max_steps=3", "train.tensorboard=true")
+    cfg = tiny_trainer_cfg("sft", tmp_path, tiny_llama_dir, "train.max_steps=3", "train.tensorboard=true")
     history = run(cfg)
     assert [h["step"] for h in history] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in history)

@@ -83,17 +83,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 # ---------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        # Logical CPUs above the 2 cores: the ranks mostly wait on each other.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+# ray_session: the session-wide Ray of tests/conftest.py.
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ that change its state (weight sync, engine kill) run last.
 from __future__ import annotations
 
 import copy
-import os
+import re
 import time
 from pathlib import Path
 
@@ -63,16 +63,7 @@ def test_per_prompt_seeds_are_distinct_per_completion() -> None:
 # ---------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+# ray_session: the session-wide Ray of tests/conftest.py.
 
 
 @pytest.fixture(scope="module")
@@ -281,55 +272,33 @@ def test_killed_engine_is_restarted_with_synced_weights(pool, hf_model, ray_sess
     TIMINGS["engine_startup_s"] = stats[1]["startup_s"]
 
 
-# ---------------------------------------------------------------- fault handling without vLLM
+# ---------------------------------------------------------------- an engine that cannot come back
 
 
-def _fake_engine_cls(marker_dir: str):
-    """An engine whose first ``die_times`` incarnations (per engine index) die in generate."""
+@pytest.mark.e2e
+def test_dead_engine_past_max_restarts_or_unable_to_restart_is_a_clear_error(
+    pool, ray_session, monkeypatch, tmp_path
+) -> None:
+    """Runs last: it leaves engine 1 dead (the pool would restart it on its next call)."""
+    restarts = list(pool.restarts)
+    ray_session.kill(pool.engines[1])
 
-    class FlakyEngine:
-        def __init__(self, model_path: str, max_model_len: int, seed: int = 0, die_times: int = 1) -> None:
-            # the pool gives engine i seed i: count deaths per engine in marker files
-            self.prefix, self.die_times = f"engine{seed}_", die_times
+    # No restarts allowed: the death itself is the error, naming the engine and the cause.
+    monkeypatch.setattr(pool, "max_restarts", 0)
+    with pytest.raises(
+        RolloutEngineError, match=r"rollout engine 1 died \(rollout.max_restarts=0\); last cause: "
+    ):
+        pool.generate(PROMPTS, GREEDY)
+    assert pool.restarts == restarts
 
-        def ping(self) -> str:
-            return "ok"
-
-        def update_weights(self, named_tensors, version=None) -> None:
-            self.weights = dict(named_tensors)
-
-        def generate(self, prompts, sampling):
-            deaths = sum(f.startswith(self.prefix) for f in os.listdir(marker_dir))
-            if deaths < self.die_times:
-                Path(marker_dir, f"{self.prefix}{deaths}").touch()
-                os._exit(1)
-            w = float(self.weights["w"]) if hasattr(self, "weights") else 0.0
-            return [
-                [{"token_ids": list(p), "logprobs": [w] * len(p), "finish_reason": "length"}] for p in prompts
-            ]
-
-    return FlakyEngine
-
-
-@pytest.mark.parametrize("die_times", [1, 2])
-def test_pool_restarts_dead_engine_once(ray_session, tmp_path, die_times: int) -> None:
-    pool = RolloutPool(
-        num_engines=2,
-        engine_kwargs={"model_path": "unused", "max_model_len": 16, "die_times": die_times},
-        num_cpus_per_engine=0.5,
-        env_vars={},
-        engine_cls=_fake_engine_cls(str(tmp_path)),
-    )
-    try:
-        pool.update_weights({"w": torch.tensor(3.0)})
-        prompts = [[1, 2], [3], [4, 5, 6]]
-        if die_times == 1:  # each engine dies once: both restarted, weights re-applied, nothing lost
-            outs = pool.generate(prompts, {"max_tokens": 4})
-            assert [o[0]["token_ids"] for o in outs] == prompts
-            assert all(o[0]["logprobs"][0] == 3.0 for o in outs)
-            assert pool.restarts == [1, 1]
-        else:  # the replacement dies too: a clear error naming the engine
-            with pytest.raises(RolloutEngineError, match=r"rollout engine \d died again after 1 restart"):
-                pool.generate(prompts, {"max_tokens": 4})
-    finally:
-        pool.shutdown()
+    # One restart allowed, but the replacement cannot start (its model dir is gone): the error
+    # names the engine, the original death and what broke the replacement.
+    missing = tmp_path / "no_such_model"
+    monkeypatch.setattr(pool, "max_restarts", 1)
+    monkeypatch.setitem(pool.engine_kwargs, "model_path", str(missing))
+    with pytest.raises(RolloutEngineError) as err:
+        pool.generate(PROMPTS, GREEDY)
+    msg = str(err.value)
+    assert re.match(r"rollout engine 1 died \(\w+Error: .*\) and its replacement failed to start", msg, re.S)
+    assert str(missing) in msg.split("and its replacement failed", 1)[1]
+    assert pool.restarts == [restarts[0], restarts[1] + 1]
