@@ -119,17 +119,21 @@ def _write(path, rows):
     ],
 )
 def test_malformed_rows_fail_through_the_entry_point_naming_the_row(
-    tmp_path, tiny_llama_dir, name, rows, match
+    tmp_path, tiny_llama_dir, monkeypatch, name, rows, match
 ):
     import importlib
 
-    import ray
+    import rlhf.trainer.setup
 
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("Ray/workers started before the data was validated")
+
+    # Data errors must surface before any worker starts (Ray may already be up from other tests).
+    monkeypatch.setattr(rlhf.trainer.setup, "init_ray", must_not_start)
     data = _write(tmp_path / "data.jsonl", rows)
     cfg = compose(name, [f"data.path={data}", f"model.path={tiny_llama_dir}", f"train.output_dir={tmp_path}"])
     with pytest.raises(DataRowError, match=match):
         importlib.import_module(f"rlhf.{name}").run(cfg)
-    assert not ray.is_initialized()  # data errors surface before any worker starts
 
 
 def test_overlong_rows_error_or_are_skipped(tmp_path, tiny_llama_dir):
