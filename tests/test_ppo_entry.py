@@ -60,7 +60,7 @@ def test_cli_semantic_error_names_field(tmp_path):
 
 
 def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_dir):
-    """Non-colocated roles (one placement group each), a reward *model* instead of a function."""
+    """Non-colocated roles (one placement group each), ZeRO-3, a reward *model* instead of a function."""
     import torch
     from transformers import AutoTokenizer
 
@@ -83,6 +83,7 @@ def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_d
             "algorithm=reinforce_pp",
             "cluster.colocate=false",
             "reward.type=model",
+            "train.zero_stage=3",
             f"reward.model_path={rm_dir}",
             "reward.clip=0",
         ],

@@ -102,7 +102,7 @@ class Workers:
 
 
 def _rollout_pool(cfg, model_dir: str):
-    from rlhf.workers.rollout import RolloutPool
+    from rlhf.workers.rollout_pool import RolloutPool
 
     r, c = cfg.rollout, cfg.cluster
     return RolloutPool(

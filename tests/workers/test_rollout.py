@@ -16,13 +16,13 @@ import torch
 
 from rlhf.workers.rollout import (
     RolloutEngineError,
-    RolloutPool,
     _per_prompt_seeds,
     check_sampling,
     default_engine_env,
     shard_bounds,
     validate_prompts,
 )
+from rlhf.workers.rollout_pool import RolloutPool
 
 MAX_MODEL_LEN = 64
 PROMPTS = [[1, 10, 11, 12], [1, 20], [1, 30, 31, 32, 33, 34, 35], [1, 40, 41]]

@@ -1,0 +1,261 @@
+"""Driver-side pool of vLLM rollout engines: shards prompts, syncs weights, restarts dead engines.
+
+See ``rlhf.workers.rollout`` for the engine, the completion format, logprob and seed rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from rlhf.workers.rollout import (
+    RolloutEngine,
+    RolloutEngineError,
+    _per_prompt_seeds,
+    check_sampling,
+    default_engine_env,
+    shard_bounds,
+    validate_prompts,
+)
+
+
+def _is_engine_death(exc: BaseException) -> bool:
+    """True if ``exc`` means the engine is gone (actor died, or vLLM's engine core died inside it)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return True
+    cause: BaseException | None = exc
+    for _ in range(8):  # RayTaskError -> .cause -> __cause__ chains are short; never loop forever
+        if cause is None:
+            break
+        if type(cause).__name__ == "EngineDeadError":
+            return True
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    return False
+
+
+class RolloutPool:
+    """Driver-side pool of ``RolloutEngine`` Ray actors.
+
+    Args:
+        num_engines: number of engines (data parallel; each holds a full copy of the model).
+        engine_kwargs: ``RolloutEngine`` arguments (``model_path``, ``max_model_len``, ...).
+            Engine ``i`` gets ``seed = engine_kwargs.get("seed", 0) + i``.
+        num_cpus_per_engine, num_gpus_per_engine: Ray resources of each actor.
+        placement_group, bundle_indices: pin engine ``i`` to bundle ``bundle_indices[i]``
+            (default ``i``) of ``placement_group``.
+        env_vars: actor env vars; default ``default_engine_env(num_gpus_per_engine)``.
+        max_restarts: restarts of one engine within one ``generate``/``update_weights`` call
+            before ``RolloutEngineError`` (1 = restart and retry once).
+        keep_last_weights: keep the last synced weights in the object store so a restarted
+            engine gets them (costs one model copy of object-store memory). Without it a
+            restarted engine would silently serve the initial weights, so restarts are refused.
+        engine_cls: the engine class made into actors (``RolloutEngine``; tests pass fakes).
+    """
+
+    def __init__(
+        self,
+        num_engines: int,
+        engine_kwargs: dict[str, Any],
+        num_cpus_per_engine: float = 1,
+        num_gpus_per_engine: float = 0,
+        placement_group: Any = None,
+        bundle_indices: list[int] | None = None,
+        env_vars: dict[str, str] | None = None,
+        max_restarts: int = 1,
+        keep_last_weights: bool = True,
+        engine_cls: type = RolloutEngine,
+    ) -> None:
+        import ray
+
+        if num_engines < 1:
+            raise ValueError(f"rollout.num_engines must be >= 1, got {num_engines}")
+        if "model_path" not in engine_kwargs or "max_model_len" not in engine_kwargs:
+            raise ValueError("engine_kwargs needs 'model_path' and 'max_model_len' (rollout.max_model_len)")
+        if placement_group is not None:
+            bundle_indices = list(range(num_engines)) if bundle_indices is None else list(bundle_indices)
+            if len(bundle_indices) != num_engines:
+                raise ValueError(
+                    f"{len(bundle_indices)} bundle_indices for {num_engines} rollout engines; "
+                    "give one bundle per engine"
+                )
+        self.num_engines = num_engines
+        self.engine_kwargs = dict(engine_kwargs)
+        self.max_model_len = int(engine_kwargs["max_model_len"])
+        self.num_cpus_per_engine = num_cpus_per_engine
+        self.num_gpus_per_engine = num_gpus_per_engine
+        self.placement_group = placement_group
+        self.bundle_indices = bundle_indices
+        self.env_vars = default_engine_env(num_gpus_per_engine) if env_vars is None else dict(env_vars)
+        self.max_restarts = max_restarts
+        self.keep_last_weights = keep_last_weights
+        self.restarts = [0] * num_engines
+        self.restarts_this_call = [0] * num_engines
+        self.weight_version = 0
+        self._weights_ref: Any = None
+        self._actor_cls = ray.remote(engine_cls)
+        self.engines = [self._create(i) for i in range(num_engines)]
+        # Wait for all engines together (they start in parallel) and say which one failed.
+        pings = [e.ping.remote() for e in self.engines]
+        for i, ref in enumerate(pings):
+            try:
+                ray.get(ref)
+            except Exception as e:
+                self.shutdown()
+                raise RolloutEngineError(f"rollout engine {i} failed to start: {e}") from e
+
+    def _create(self, i: int) -> Any:
+        opts: dict[str, Any] = {
+            "num_cpus": self.num_cpus_per_engine,
+            "num_gpus": self.num_gpus_per_engine,
+            "runtime_env": {"env_vars": self.env_vars},
+            # The pool does the restarting: it must re-sync weights before the engine serves again.
+            "max_restarts": 0,
+        }
+        if self.placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group,
+                placement_group_bundle_index=self.bundle_indices[i],
+                placement_group_capture_child_tasks=True,
+            )
+        kwargs = dict(self.engine_kwargs)
+        kwargs["seed"] = int(kwargs.get("seed", 0)) + i
+        return self._actor_cls.options(**opts).remote(**kwargs)
+
+    def _restart(self, i: int, cause: BaseException) -> None:
+        """Replace engine ``i`` by a fresh actor and give it the last synced weights."""
+        import ray
+
+        done = self.restarts_this_call[i]
+        if done >= self.max_restarts:
+            what = f"died again after {done} restart(s) in this call" if done else "died"
+            raise RolloutEngineError(
+                f"rollout engine {i} {what} (rollout.max_restarts={self.max_restarts}); "
+                f"last cause: {type(cause).__name__}: {cause}"
+            ) from cause
+        if self.weight_version > 0 and self._weights_ref is None:
+            raise RolloutEngineError(
+                f"rollout engine {i} died ({type(cause).__name__}) and cannot be restarted: weights were synced "
+                "with keep_last_weights=False, so a new engine would serve stale weights"
+            ) from cause
+        self.restarts_this_call[i] += 1
+        self.restarts[i] += 1
+        with contextlib.suppress(Exception):  # usually already dead; kill in case it is only unreachable
+            ray.kill(self.engines[i], no_restart=True)
+        self.engines[i] = self._create(i)
+        try:
+            ray.get(self.engines[i].ping.remote())
+            if self._weights_ref is not None:
+                ray.get(self.engines[i].update_weights.remote(self._weights_ref, self.weight_version))
+        except Exception as e:
+            raise RolloutEngineError(
+                f"rollout engine {i} died ({type(cause).__name__}: {cause}) and its replacement failed to "
+                f"start or to load weights version {self.weight_version}: {type(e).__name__}: {e}"
+            ) from e
+
+    def _call_all(self, method: str, args_per_engine: dict[int, tuple]) -> dict[int, Any]:
+        """Call ``method`` on the given engines in parallel; restart dead ones and retry their call."""
+        import ray
+
+        self.restarts_this_call = [0] * self.num_engines
+        pending = {i: getattr(self.engines[i], method).remote(*args) for i, args in args_per_engine.items()}
+        results: dict[int, Any] = {}
+        while pending:
+            retry: dict[int, Any] = {}
+            for i, ref in pending.items():
+                try:
+                    results[i] = ray.get(ref)
+                except Exception as e:
+                    if not _is_engine_death(e):
+                        raise RolloutEngineError(
+                            f"rollout engine {i} failed in {method}: {type(e).__name__}: {e}"
+                        ) from e
+                    self._restart(i, e)
+                    retry[i] = getattr(self.engines[i], method).remote(*args_per_engine[i])
+            pending = retry
+        return results
+
+    def generate(self, prompts: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
+        """``n`` completions per prompt, in input order (see the module docstring).
+
+        Prompts are split into contiguous shards, one per engine, run in parallel. A dead engine
+        is restarted (weights re-synced) and its shard retried; a second failure raises
+        ``RolloutEngineError``. Nothing is dropped: the result has one entry per prompt.
+        """
+        check_sampling(sampling)
+        validate_prompts(prompts, self.max_model_len)
+        n = sampling.get("n", 1)
+        seeds = _per_prompt_seeds(sampling.get("seed"), len(prompts), n)
+        args: dict[int, tuple] = {}
+        bounds = shard_bounds(len(prompts), self.num_engines)
+        for i, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                shard_sampling = dict(sampling)
+                if sampling.get("seed") is not None:
+                    shard_sampling["seed"] = seeds[lo:hi]
+                args[i] = ([list(map(int, p)) for p in prompts[lo:hi]], shard_sampling)
+        results = self._call_all("generate", args)
+        out: list[list[dict]] = []
+        for i, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                shard = results[i]
+                if len(shard) != hi - lo:
+                    raise RolloutEngineError(
+                        f"rollout engine {i} returned {len(shard)} results for {hi - lo} prompts"
+                    )
+                out.extend(shard)
+        return out
+
+    def update_weights(
+        self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Put HF-named tensors in the object store once and have every engine load them.
+
+        Tensors are detached and copied to CPU first (a CUDA tensor in the object store would pin
+        the trainer's device). The ref is kept (``keep_last_weights``) for restarted engines.
+        """
+        import ray
+
+        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+        named = [(str(k), v.detach().to("cpu").contiguous()) for k, v in items]
+        if not named:
+            raise ValueError("update_weights got an empty state_dict")
+        ref = ray.put(named)
+        self.weight_version += 1
+        # Set before loading: an engine that dies mid-sync is restarted with THESE weights.
+        self._weights_ref = ref
+        try:
+            self._call_all("update_weights", {i: (ref, self.weight_version) for i in range(self.num_engines)})
+        finally:
+            if not self.keep_last_weights:
+                self._weights_ref = None
+
+    def ping(self) -> list[str]:
+        import ray
+
+        return ray.get([e.ping.remote() for e in self.engines])
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-engine ``RolloutEngine.stats()`` plus the pool's restart count for that engine."""
+        import ray
+
+        stats = ray.get([e.stats.remote() for e in self.engines])
+        for i, s in enumerate(stats):
+            s["restarts"] = self.restarts[i]
+        return stats
+
+    def shutdown(self) -> None:
+        """Kill all engine actors (idempotent)."""
+        import ray
+
+        for e in getattr(self, "engines", []):
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(e, no_restart=True)
+        self.engines = []
+        self._weights_ref = None
