@@ -60,7 +60,8 @@ def test_cli_semantic_error_names_field(tmp_path):
 
 
 def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_dir):
-    """Non-colocated roles (one placement group each), ZeRO-3, a reward *model* instead of a function."""
+    """Non-colocated roles (one placement group each), ZeRO-3, a reward *model* instead of a
+    function, multi-turn rollouts from the CLI, several epochs and mini-batches."""
     import torch
     from transformers import AutoTokenizer
 
@@ -84,6 +85,9 @@ def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_d
             "cluster.colocate=false",
             "reward.type=model",
             "train.zero_stage=3",
+            "env.name=rlhf.envs.toy:EchoToolEnv",
+            "train.ppo_epochs=2",
+            "train.num_minibatches=2",
             f"reward.model_path={rm_dir}",
             "reward.clip=0",
         ],
@@ -93,4 +97,6 @@ def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_d
     for h in history:
         assert torch.isfinite(torch.tensor([h["policy/loss"], h["reward/mean"], h["kl"]])).all(), h
         assert "critic/loss" not in h  # REINFORCE++ has no critic
+        assert h["policy/num_optimizer_steps"] == 4  # 2 epochs x 2 mini-batches
+        assert h["rollout/observation_tokens_mean"] > 0  # the tool turns made it into the samples
     assert history[0]["reward/std"] > 0, "reward-model scores should vary across samples"

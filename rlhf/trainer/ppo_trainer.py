@@ -116,7 +116,11 @@ class PPOTrainer:
         """PPO epochs over packed micro-batches for the actor (and the critic for GAE)."""
         t = self.cfg.train
         stats: dict[str, float] = {}
-        for _ in range(t.ppo_epochs):
+        for epoch in range(t.ppo_epochs):
+            # Mini-batches are cut in order, so shuffle: otherwise each optimizer step would see
+            # only a few prompts' groups, the same ones in every epoch.
+            g = torch.Generator().manual_seed(t.seed * 100_003 + self.step * 101 + epoch)
+            samples = [samples[i] for i in torch.randperm(len(samples), generator=g).tolist()]
             if self.critic is not None:
                 cstats = self.critic.train(
                     samples, self.value_objective, t.max_tokens_per_microbatch, t.num_minibatches
@@ -125,7 +129,9 @@ class PPOTrainer:
             astats = self.w.actor.train(
                 samples, self.policy_objective, t.max_tokens_per_microbatch, t.num_minibatches
             )
+            steps = stats.get("policy/num_optimizer_steps", 0.0) + astats["num_optimizer_steps"]
             stats.update({f"policy/{k}": v for k, v in astats.items()})
+            stats["policy/num_optimizer_steps"] = steps  # over all epochs; the rest is the last epoch's
         return stats
 
     def sync_weights(self) -> None:
@@ -144,6 +150,9 @@ class PPOTrainer:
             "rollout/empty_responses": rstats.empty_responses,
             "rollout/truncated": rstats.truncated,
             "rollout/dropped_non_finite": rstats.dropped_non_finite,
+            # Multi-turn: tokens the environment inserted after the policy's first turn.
+            "rollout/observation_tokens_mean": sum(len(s) - s.response_start - s.num_actions for s in samples)
+            / len(samples),
         }
         m.update(packing_metrics(samples, budget))
         if batch.rollout_logprobs is not None and batch.old_logprobs is not None and batch.action_mask.any():
