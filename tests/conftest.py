@@ -52,3 +52,11 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_llama_dir: Path):
+    """The tiny Llama's tokenizer (modules that need another tokenizer define their own ``tok``)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)

@@ -18,13 +18,6 @@ ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_llama_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def pairs(tok):
     pairs, _ = load_preferences("toy:count", tok, max_len=128, num_toy=12, seed=2)
     return pairs

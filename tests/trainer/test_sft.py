@@ -34,13 +34,6 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_llama_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def samples(tok):
     toy, _ = load_sft("toy:count", tok, max_len=128, num_toy=5)
     return [tokenize_conversation(tok, c) for c in CHATS] + toy
