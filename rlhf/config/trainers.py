@@ -47,6 +47,8 @@ class SupervisedTrainConfig:
     bf16: bool = False
     seed: int = 0
     output_dir: str = "runs/sft"  # the trained model lands in <output_dir>/final
+    save_every: int = 0  # checkpoint every N optimizer steps (0 = only the final model)
+    resume: bool = False  # True = continue from <output_dir>/checkpoints/latest when present
     tensorboard: bool = True
     wandb_project: str = ""  # "" = wandb off
 
@@ -61,6 +63,7 @@ class SupervisedTrainConfig:
         _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)")
         _check(self.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3")
         _check(bool(self.output_dir), "train.output_dir must not be empty")
+        _check(self.save_every >= 0, "train.save_every must be >= 0 (0 = only the final model)")
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict
@@ -15,6 +14,7 @@ from rlhf.data.packing import concat, plan_bins
 from rlhf.data.prompts import PromptLoader
 from rlhf.data.types import Sample
 from rlhf.trainer.advantage_step import advantage_step
+from rlhf.trainer.checkpoint import load_latest, save_checkpoint
 from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.tracking import Tracker
@@ -162,29 +162,19 @@ class PPOTrainer:
         return m
 
     # -- checkpoints ----------------------------------------------------------------------
+    def _trained_groups(self) -> dict:
+        return {"actor": self.w.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
     def save(self) -> Path:
         """Actor/critic DeepSpeed checkpoints plus step and data position; updates ``latest``."""
-        path = self.out / "checkpoints" / f"step_{self.step}"
         state = {"step": self.step, "loader": self.loader.state_dict()}
-        self.w.actor.save_checkpoint(str(path / "actor"), state)
-        if self.critic is not None:
-            self.critic.save_checkpoint(str(path / "critic"), state)
-        (path / "trainer_state.json").write_text(json.dumps(state))
-        (self.out / "checkpoints" / "latest").write_text(path.name)
-        log.info("saved checkpoint %s", path)
-        return path
+        return save_checkpoint(self.out, self.step, self._trained_groups(), state)
 
     def try_resume(self) -> bool:
-        latest = self.out / "checkpoints" / "latest"
-        if not latest.is_file():
+        state = load_latest(self.out, self._trained_groups())
+        if state is None:
             return False
-        path = self.out / "checkpoints" / latest.read_text().strip()
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.w.actor.load_checkpoint(str(path / "actor"))
-        if self.critic is not None:
-            self.critic.load_checkpoint(str(path / "critic"))
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
         self.sync_weights()
-        log.info("resumed from %s at step %d", path, self.step)
         return True

@@ -14,6 +14,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from rlhf.data.types import Sample
+from rlhf.trainer.checkpoint import load_latest, save_checkpoint
 from rlhf.trainer.objectives import SFTObjective
 from rlhf.trainer.tracking import Tracker
 
@@ -64,7 +66,9 @@ def model_group(cfg, role: str, path: str, num_ranks: int, lr: float = 0.0, tota
     ds = ds_config(t, lr)
     if t.lr_schedule == "cosine":
         ds.update(lr_schedule="cosine", total_steps=max(total_steps, t.warmup_steps + 1))
-    pg = create_placement_group(num_ranks, c.cpus_per_worker, c.gpus_per_worker, name=f"rlhf-{role}")
+    # Unique name: Ray refuses a second live placement group of the same name.
+    name = f"rlhf-{role}-{uuid.uuid4().hex[:8]}"
+    pg = create_placement_group(num_ranks, c.cpus_per_worker, c.gpus_per_worker, name=name)
     try:
         placement = Placement.on_bundles(pg, num_ranks, c.cpus_per_worker, c.gpus_per_worker)
         group = ModelGroup(role, path, num_ranks, ds, placement, attn_impl=cfg.model.attn_impl, seed=t.seed)
@@ -130,7 +134,16 @@ class SupervisedTrainer:
         """Train ``train.epochs`` epochs (or ``train.max_steps``), save ``<output_dir>/final``; return metrics."""
         t = self.cfg.train
         total = self.total_steps
-        tracker = Tracker(str(self.out), total, t.tensorboard, t.wandb_project, config=asdict(self.cfg))
+        if t.resume and (state := load_latest(self.out, {"model": self.group})) is not None:
+            self.step = int(state["step"])  # the batch schedule is seeded: skip what was done
+        tracker = Tracker(
+            str(self.out),
+            total,
+            t.tensorboard,
+            t.wandb_project,
+            config=asdict(self.cfg),
+            start_step=self.step,
+        )
         log.info(
             "%s: %d training units, %d held out, %d optimizer steps",
             type(self).__name__,
@@ -139,7 +152,7 @@ class SupervisedTrainer:
             total,
         )
         try:
-            for progress, epoch_end, batch in itertools.islice(self.schedule(), total):
+            for progress, epoch_end, batch in itertools.islice(self.schedule(), self.step, total):
                 t0 = time.perf_counter()
                 stats = self.train_step(batch)
                 self.step += 1
@@ -154,6 +167,8 @@ class SupervisedTrainer:
                 if (epoch_end or self.step == total) and self.eval_units:
                     metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
                 tracker.log(self.step, metrics)
+                if t.save_every and (self.step % t.save_every == 0 or self.step == total):
+                    save_checkpoint(self.out, self.step, {"model": self.group}, {"step": self.step})
             final = self.out / "final"
             self.group.save_hf(str(final))
             log.info("saved the trained model to %s", final)
