@@ -2,7 +2,7 @@
 
 YAML groups in ``conf/`` fill these schemas; an unknown key or a value of the wrong type
 fails when Hydra composes the config, and ``__post_init__`` checks run when
-``rlhf.config.load`` turns the composed config into these dataclasses, each naming the
+``rlhf.config.to_object`` turns the composed config into these dataclasses, each naming the
 field and the fix. Where things run (``cluster``) is separate from what they do.
 """
 
@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ADVANTAGES = ("gae", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")
+# Estimators that compare the samples of one prompt (they need n_samples_per_prompt >= 2).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-ATTN_IMPLS = ("auto", "packed_sdpa", "sdpa", "eager", "flex_attention", "flash_attention_2")
+ATTN_IMPLS = ("auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -170,6 +172,7 @@ class TrainConfig:
     warmup_steps: int = 0
     zero_stage: int = 2
     bf16: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward (long rows on GPU)
     seed: int = 0
     save_every: int = 0  # 0 = only at the end
     output_dir: str = "runs/ppo"
@@ -219,8 +222,7 @@ class PPOConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
-        group_adv = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-        if self.algorithm.advantage in group_adv:
+        if self.algorithm.advantage in GROUP_ESTIMATORS:
             _check(
                 self.rollout.n_samples_per_prompt >= 2,
                 f"algorithm.advantage={self.algorithm.advantage} compares samples of the same prompt: "

@@ -45,6 +45,7 @@ class SupervisedTrainConfig:
     grad_clip: float = 1.0
     zero_stage: int = 2
     bf16: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward (long rows on GPU)
     seed: int = 0
     output_dir: str = "runs/sft"  # the trained model lands in <output_dir>/final
     save_every: int = 0  # checkpoint every N optimizer steps (0 = only the final model)

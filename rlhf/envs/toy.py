@@ -8,11 +8,12 @@ from rlhf.envs.base import StepResult
 class EchoToolEnv:
     """After each assistant turn a "tool" echoes how many numbers the turn contained.
 
-    The trajectory ends after ``max_turns`` assistant turns. It gives no reward of its own,
-    so the configured reward function scores the whole trajectory.
+    It never ends a trajectory by itself unless ``max_turns`` is given: ``env.max_turns``
+    (the experience maker's cap) decides. It gives no reward of its own, so the configured
+    reward function or model scores the whole trajectory.
     """
 
-    def __init__(self, max_turns: int = 2):
+    def __init__(self, max_turns: int | None = None):
         self.max_turns = max_turns
         self.turn = 0
 
@@ -21,7 +22,7 @@ class EchoToolEnv:
 
     def step(self, response: str) -> StepResult:
         self.turn += 1
-        if self.turn >= self.max_turns:
+        if self.max_turns is not None and self.turn >= self.max_turns:
             return StepResult(done=True)
         n = sum(w.isdigit() for w in response.split())
         return StepResult(observation=f" <|tool|> result {n} <|end|> <|assistant|>", done=False)

@@ -18,8 +18,9 @@ Attention paths (``prepare_model_for_packing(model, attn_impl)``):
 * ``sdpa`` / ``eager``: transformers detects the packing from the position_ids resets, which
   only happens with ``attention_mask=None`` AND ``use_cache=False`` (both always passed here),
   and builds a dense ``[T, T]`` block-diagonal mask.
-* ``flex_attention`` is not offered on CPU: torch 2.13 has no FlexAttention backward on CPU
-  and its forward was 4.5x slower than ``packed_sdpa`` (2.35 s vs 0.52 s, T=4096, no grad).
+* ``flex_attention`` is not offered (not in ``ATTN_IMPLS``): torch 2.13 has no FlexAttention
+  backward on CPU and its forward was 4.5x slower than ``packed_sdpa`` (2.35 s vs 0.52 s,
+  T=4096, no grad).
 
 Measured on 2 CPU cores (torch 2.13, fp32, Llama hidden 256, 4 layers, 4 heads / 2 KV heads,
 one packed row, lognormal sample lengths; median of 4):
@@ -51,10 +52,10 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from rlhf.config.schema import ATTN_IMPLS
 from rlhf.data.types import FlatBatch
 
 PACKED_SDPA = "packed_sdpa"
-ATTN_IMPLS = ("auto", PACKED_SDPA, "sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 # Rows of logits upcast to float32 at once: bounds the temporary copy to ~512 MiB under no_grad.
 _LOGIT_CHUNK_ELEMS = 1 << 27
@@ -173,7 +174,12 @@ def _flash_attn_available() -> bool:
 
 
 def resolve_attn_impl(model: torch.nn.Module, attn_impl: str = "auto") -> str:
-    """``"auto"`` -> flash_attention_2 on CUDA with flash-attn and fp16/bf16 weights, else packed_sdpa."""
+    """``"auto"`` -> flash_attention_2 on CUDA with flash-attn and fp16/bf16 weights, else packed_sdpa.
+
+    Raises ``ValueError`` for a name outside ``rlhf.config.schema.ATTN_IMPLS``.
+    """
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"model.attn_impl={attn_impl!r} is not valid; use one of {', '.join(ATTN_IMPLS)}")
     if attn_impl != "auto":
         return attn_impl
     m = _unwrap(model)
@@ -187,14 +193,12 @@ def prepare_model_for_packing(model: torch.nn.Module, attn_impl: str = "auto") -
     """Switch ``model`` to a packing-safe attention implementation; return the name used.
 
     ``attn_impl``: ``"auto"`` (see ``resolve_attn_impl``), ``"packed_sdpa"``, ``"sdpa"``,
-    ``"eager"``, ``"flash_attention_2"``/``"flash_attention_3"`` or any name registered in
-    transformers' ``AttentionInterface``. Call it after the model is on its device so that
-    ``"auto"`` sees the device and dtype.
+    ``"eager"``, ``"flash_attention_2"`` or ``"flash_attention_3"`` (``ATTN_IMPLS``, shared with
+    the config schema); any other name raises ``ValueError``. Call it after the model is on its
+    device so that ``"auto"`` sees the device and dtype.
     """
     m = _unwrap(model)
     name = resolve_attn_impl(m, attn_impl)
-    if name == "flex_attention" and next(m.parameters()).device.type == "cpu":
-        raise ValueError("flex_attention has no backward on CPU in torch 2.13; use attn_impl='packed_sdpa'")
     m.set_attn_implementation(name)
     if m.config._attn_implementation != name:
         raise ValueError(f"{type(m).__name__} did not accept attn_implementation={name!r}")
@@ -231,12 +235,18 @@ def _shift_to_tokens(pred: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, return_entropy: bool = False
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / temperature)[target]`` (and entropy) per row, in float32.
 
     Uses ``logit[target] - logsumexp(logits)`` instead of a full log_softmax, in row chunks so
     the float32 copy of a bf16 ``[N, V]`` logits tensor is never made whole when not training.
+    ``entropy_grad=False`` computes the entropy from detached logits under ``no_grad`` (a
+    statistic only): no ``[N, V]`` softmax is kept in the autograd graph for it.
     """
     rows = max(1, _LOGIT_CHUNK_ELEMS // max(1, logits.shape[-1]))
     lps, ents = [], []
@@ -248,23 +258,36 @@ def logprobs_from_logits(
         lps.append(lg.gather(-1, tg.unsqueeze(-1)).squeeze(-1) - lse)
         if return_entropy:
             # H = lse - sum(p * logit), with p = softmax(logit).
-            ents.append(lse - (torch.softmax(lg, dim=-1) * lg).sum(-1))
+            if entropy_grad:
+                ents.append(lse - (torch.softmax(lg, dim=-1) * lg).sum(-1))
+            else:
+                with torch.no_grad():
+                    lg_d = lg.detach()
+                    ents.append(lse.detach() - (torch.softmax(lg_d, dim=-1) * lg_d).sum(-1))
     lp = torch.cat(lps) if lps else logits.new_zeros(0, dtype=torch.float32)
     ent = (torch.cat(ents) if ents else lp.new_zeros(0)) if return_entropy else None
     return lp, ent
 
 
 def packed_logprobs(
-    model: torch.nn.Module, batch: FlatBatch, *, temperature: float = 1.0, return_entropy: bool = False
+    model: torch.nn.Module,
+    batch: FlatBatch,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs ``[T]`` (float32, differentiable) and optionally entropy ``[T]``.
 
     ``logprobs[t] = log p(x_t | x_<t)`` under ``softmax(logits / temperature)``;
     ``entropy[t]`` is the entropy of that same distribution. Both are 0 at ``cu_seqlens[:-1]``.
+    ``entropy_grad=False``: the entropy is a detached statistic (no graph kept for it).
     ``model`` is a causal LM (or a wrapper whose forward takes the HF kwargs).
     """
     logits = model(**packed_model_kwargs(model, batch)).logits[0]
-    lp, ent = logprobs_from_logits(logits[:-1], batch.input_ids[1:], temperature, return_entropy)
+    lp, ent = logprobs_from_logits(
+        logits[:-1], batch.input_ids[1:], temperature, return_entropy, entropy_grad=entropy_grad
+    )
     return _shift_to_tokens(lp, batch), (_shift_to_tokens(ent, batch) if ent is not None else None)
 
 

@@ -26,5 +26,5 @@ def always_raises(prompt: str, response: str, info: dict) -> float:
 
 
 def nan_reward(prompt: str, response: str, info: dict) -> float:
-    """Returns NaN for every other sample, for the non-finite-reward tests."""
-    return float("nan") if len(response.split()) % 2 else 1.0
+    """NaN for the samples of odd-numbered prompts, 1.0 otherwise (non-finite-reward tests)."""
+    return float("nan") if info.get("index", 0) % 2 else 1.0

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rlhf.config.schema import GROUP_ESTIMATORS
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
 from rlhf.rewards import RewardFunctionError, non_finite_indices, score_with_function
@@ -141,7 +142,8 @@ class ExperienceMaker:
                 env.reset(p.text, dict(p.info))
                 trajs.append(_Trajectory(p, step * len(prompts) + i, env))
         sampling = sampling_params(self.cfg.rollout, 1)
-        for _turn in range(self.cfg.env.max_turns):
+        for turn in range(self.cfg.env.max_turns):
+            last_turn = turn == self.cfg.env.max_turns - 1
             live = [t for t in trajs if not t.done and len(t.ids) < max_len - 1]
             if not live:
                 break
@@ -153,8 +155,9 @@ class ExperienceMaker:
                 res = t.env.step(self.tok.decode(c["token_ids"]))
                 obs = self.tok(res.observation, add_special_tokens=False)["input_ids"]
                 obs = obs[: self.cfg.env.max_observation_tokens]
-                # An observation that leaves no room for another policy turn ends the trajectory.
-                if res.done or len(obs) >= max_len - 1 - len(t.ids):
+                # No observation after the last policy turn (nothing would answer it), nor one that
+                # leaves no room for another policy turn: either ends the trajectory.
+                if res.done or last_turn or len(obs) >= max_len - 1 - len(t.ids):
                     t.done, t.env_reward = True, res.reward
                     continue
                 t.append(obs, None, action=False)
@@ -176,8 +179,15 @@ class ExperienceMaker:
                     f"reward for sample {i} is {scores[i]} ({len(bad)} of {len(scores)} samples non-finite); "
                     "fix the reward, or set reward.non_finite=drop to drop such samples (they are counted)"
                 )
+            if self.cfg.algorithm.advantage in GROUP_ESTIMATORS:
+                # A group estimator needs the whole group: a partial one can shrink to a single
+                # sample, which has no baseline. Drop the groups of the bad samples.
+                bad_groups = {samples[i].group_id for i in bad}
+                bad = {i for i, s in enumerate(samples) if s.group_id in bad_groups}
             if len(bad) == len(samples):
-                raise RewardFunctionError("every sample in the batch got a non-finite reward")
+                raise RewardFunctionError(
+                    "every sample in the batch got a non-finite reward (or shares a group with one)"
+                )
             samples = [s for i, s in enumerate(samples) if i not in bad]
             scores = [r for i, r in enumerate(scores) if i not in bad]
             stats.dropped_non_finite = len(bad)
@@ -190,22 +200,29 @@ class ExperienceMaker:
             ("values", self.critic),
         ):
             if group is not None:
-                for s, out in zip(samples, group.forward(samples, self.budget), strict=True):
+                # Logprobs at the sampling temperature, as the engine reported and the policy loss uses.
+                temperature = self.cfg.rollout.temperature if name != "values" else 1.0
+                for s, out in zip(samples, group.forward(samples, self.budget, temperature), strict=True):
                     setattr(s, name, out.float())
         return samples
 
     def _rewards(self, samples: list[Sample]) -> list[float]:
-        env_scores = [s.info.get("env_reward") for s in samples]
-        if all(r is not None for r in env_scores):
-            return [float(r) for r in env_scores]
+        """Per sample: the environment's reward where it gave one, else the reward model/function."""
+        scores = [s.info.get("env_reward") for s in samples]
+        rest = [i for i, r in enumerate(scores) if r is None]
+        if not rest:
+            return [float(r) for r in scores]
+        todo = [samples[i] for i in rest]
         if self.reward_model is not None:
-            return [float(o.reshape(-1)[0]) for o in self.reward_model.forward(samples, self.budget)]
-        prompts = [s.info.get("prompt", "") for s in samples]
-        responses = [self.tok.decode(s.input_ids[s.info.get("prompt_len", 0) :].tolist()) for s in samples]
-        return score_with_function(
-            self.reward_fn,
-            prompts,
-            responses,
-            [s.info for s in samples],
-            fn_name=f"reward.function={self.cfg.reward.function!r}",
-        )
+            model_scores = [float(o.reshape(-1)[0]) for o in self.reward_model.forward(todo, self.budget)]
+        else:
+            model_scores = score_with_function(
+                self.reward_fn,
+                [s.info.get("prompt", "") for s in todo],
+                [self.tok.decode(s.input_ids[s.info.get("prompt_len", 0) :].tolist()) for s in todo],
+                [s.info for s in todo],
+                fn_name=f"reward.function={self.cfg.reward.function!r}",
+            )
+        for i, r in zip(rest, model_scores, strict=True):
+            scores[i] = r
+        return [float(r) for r in scores]

@@ -115,7 +115,10 @@ class PolicyObjective(Objective):
         _require(mb, "PolicyObjective", "old_logprobs", "advantages")
         if self.kl_coef_in_loss:
             _require(mb, "PolicyObjective with kl_coef_in_loss", "ref_logprobs")
-        logprobs, entropy = packed_logprobs(model, mb, temperature=self.temperature, return_entropy=True)
+        # entropy_coef == 0: the entropy is only a statistic; keep no [T, V] graph for it.
+        logprobs, entropy = packed_logprobs(
+            model, mb, temperature=self.temperature, return_entropy=True, entropy_grad=self.entropy_coef != 0
+        )
         mask, cu = mb.action_mask, mb.cu_seqlens
         policy_loss, stats = ppo_policy_loss(
             logprobs,

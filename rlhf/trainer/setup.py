@@ -26,10 +26,18 @@ CPU_ENV = {
 
 
 def init_ray(cluster) -> None:
-    """Join ``cluster.address`` or start a local Ray with ``cluster.num_cpus`` logical CPUs."""
+    """Join ``cluster.address`` or start a local Ray with ``cluster.num_cpus`` logical CPUs.
+
+    Inside a Ray Job (``ray job submit``, KubeRay RayJob) the job's runtime_env already
+    reaches every worker, and Ray refuses a second one that sets the same env var, so none
+    is passed there.
+    """
     import ray
 
     if ray.is_initialized():
+        return
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        ray.init(address=cluster.address or "auto")
         return
     env = (
         dict(CPU_ENV)
@@ -77,6 +85,7 @@ def ds_config(train, lr: float) -> dict[str, Any]:
         "weight_decay": train.weight_decay,
         "grad_clip": train.grad_clip,
         "warmup_steps": train.warmup_steps,
+        "gradient_checkpointing": train.gradient_checkpointing,
     }
 
 

@@ -161,8 +161,9 @@ class ModelWorker:
     An inference-only role refuses ``train_step`` and the checkpoint calls.
 
     Args:
-        role: ``actor``/``reference`` (causal LM, outputs logprobs), ``critic`` (value model
-            initialised from a causal-LM dir, outputs per-token values) or ``reward`` (one
+        role: ``actor``/``reference`` (causal LM, outputs logprobs), ``critic`` (value model,
+            outputs per-token values; a causal-LM dir gets a fresh ``score`` head, any other
+            dir, e.g. a trained reward model or critic, keeps its own) or ``reward`` (one
             score per sample: the head on its last token). ``reward`` loads a causal-LM dir
             (config ``architectures`` all ``*ForCausalLM``) with a fresh ``score`` head, the
             start of reward-model training, and any other dir (a trained
@@ -239,7 +240,10 @@ class ModelWorker:
         if self.role in ("actor", "reference"):
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         elif self.role == "critic":
-            model = build_value_model(self.model_dir, init_from_causal_lm=True, dtype=dtype)
+            # A causal-LM dir gets a fresh value head; a reward model / critic dir keeps its own
+            # (OpenRLHF initialises the critic from the reward model).
+            from_lm = _holds_causal_lm(self.model_dir)
+            model = build_value_model(self.model_dir, init_from_causal_lm=from_lm, dtype=dtype)
         else:
             from_lm = _holds_causal_lm(self.model_dir)
             if from_lm and not self.trainable and self.rank == 0:

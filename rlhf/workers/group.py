@@ -3,16 +3,22 @@
 The driver speaks ``list[Sample]`` (the data contract, ``rlhf.data.types``). For every call
 it packs the samples into micro-batches under a token budget (``rlhf.data.packing.pack``),
 deals them to the ranks (``balance_bins``, so every rank gets *different* data and about
-the same number of tokens), pads the shorter ranks' lists with ``None`` (dummy,
+the same number of tokens; the shorter ranks' lists are padded with ``None``: dummy,
 zero-weight passes that keep the collectives in step), runs all ranks in parallel and
 scatters the outputs back to the input order through ``FlatBatch.sample_index``.
+
+Failures. A rank that raises leaves the others blocked in a collective until
+``dist_timeout_s``. So the driver waits for the ranks' results one at a time and, on the
+first error, kills every worker of the group and raises ``RuntimeError`` (role, rank, the
+original error chained). The group is dead after that: every later call raises; build a
+new ``ModelGroup`` (e.g. from the last checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -24,6 +30,7 @@ from rlhf.data.packing import balance_bins, pack, unpack
 from rlhf.data.types import FlatBatch, Sample
 from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
 from rlhf.workers.placement import Placement
+from rlhf.workers.rollout import shard_bounds
 
 __all__ = ["ModelGroup"]
 
@@ -49,15 +56,31 @@ def _remote_free_port(exclude: list[int]) -> int:
     return _free_port(exclude)
 
 
-def _split_evenly(n: int, parts: int) -> list[range]:
-    """``parts`` contiguous chunks of ``range(n)`` whose sizes differ by at most one."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+_LOOPBACK = "127.0.0.1"
+
+
+def _rendezvous_node(
+    bundle_nodes: Mapping[int, str],
+    bundle_indices: Sequence[int],
+    driver_node: str,
+    node_addresses: Mapping[str, str],
+) -> tuple[str, str]:
+    """``(master_addr, node to pick the port on)`` for a group on the given bundles.
+
+    Loopback only when EVERY bundle of the group is on the driver's node (the verified
+    single-node recipe: no interface selection for gloo/NCCL); otherwise the address of rank
+    0's node (``bundle_indices[0]``), which every rank can reach.
+
+    Args:
+        bundle_nodes: bundle index -> node id (``placement_group_table(pg)["bundles_to_node_id"]``).
+        bundle_indices: the group's bundle of each rank.
+        driver_node: node id of the driver.
+        node_addresses: node id -> IP (``NodeManagerAddress`` of ``ray.nodes()``).
+    """
+    if all(bundle_nodes[b] == driver_node for b in bundle_indices):
+        return _LOOPBACK, driver_node
+    node0 = bundle_nodes[bundle_indices[0]]
+    return node_addresses[node0], node0
 
 
 def _combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -121,7 +144,8 @@ class ModelGroup:
             env["DS_ACCELERATOR"] = "cpu"
         env.update(env_vars or {})
         remote_cls = ray.remote(ModelWorker)
-        self.workers = []
+        self.workers: list[Any] = []
+        self._failure: str | None = None
         for r in range(num_ranks):
             opts = self.placement.actor_options(r)
             if self.placement.pg is None:
@@ -131,26 +155,24 @@ class ModelGroup:
                     role, str(model_dir), r, num_ranks, master_addr, master_port, ds, attn_impl, seed
                 )
             )
-        try:
-            self.infos = ray.get([w.info.remote() for w in self.workers])
-        except Exception:
-            # The ranks that did start would wait in the rendezvous until the dist timeout.
-            for w in self.workers:
-                ray.kill(w)
-            raise
+        # A rank that fails to start kills the others (they would wait in the rendezvous).
+        self.infos = self._on_all("info")
 
     def _rendezvous(self) -> tuple[str, int]:
-        """Address and a free port on the node of rank 0."""
+        """Address and a free port on the node of rank 0 (loopback if all ranks are on the driver's)."""
         self._driver_node = ray.get_runtime_context().get_node_id()
         pg = self.placement.pg
-        node = self._driver_node
+        addr, node = _LOOPBACK, self._driver_node
         if pg is not None:
-            node = placement_group_table(pg)["bundles_to_node_id"][self.placement.bundle_indices[0]]
+            addr, node = _rendezvous_node(
+                placement_group_table(pg)["bundles_to_node_id"],
+                self.placement.bundle_indices,
+                self._driver_node,
+                {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive", True)},
+            )
         if node == self._driver_node:
-            # The verified single-node recipe: loopback, no interface selection for gloo/NCCL.
-            addr, port = "127.0.0.1", _free_port(sorted(_ISSUED_PORTS))
+            port = _free_port(sorted(_ISSUED_PORTS))
         else:
-            addr = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
             strategy = NodeAffinitySchedulingStrategy(node, soft=False)
             port = ray.get(
                 _remote_free_port.options(scheduling_strategy=strategy).remote(sorted(_ISSUED_PORTS))
@@ -158,11 +180,50 @@ class ModelGroup:
         _ISSUED_PORTS.add(port)
         return addr, port
 
+    # ------------------------------------------------------------ rank calls
+    def _on_all(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None) -> list[Any]:
+        """``method(per_rank[r], *args)`` (or ``method(*args)``) on every rank; results in rank order.
+
+        Fails fast: see the module docstring (the first rank error kills the group).
+        """
+        if self._failure is not None:
+            raise RuntimeError(
+                f"ModelGroup({self.role}) is dead after an earlier failure ({self._failure}); "
+                "create a new group"
+            )
+        refs = [
+            getattr(w, method).remote(*(() if per_rank is None else (per_rank[r],)), *args)
+            for r, w in enumerate(self.workers)
+        ]
+        return self._gather(refs, method)
+
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            r = rank_of[done[0]]
+            try:
+                results[r] = ray.get(done[0])
+            except Exception as e:
+                self._failure = f"{what} failed on rank {r}"
+                for w in self.workers:
+                    ray.kill(w)
+                # A RayTaskError's text is the whole remote traceback (kept in the chain).
+                cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+                raise RuntimeError(
+                    f"ModelGroup({self.role}): {what} failed on rank {r} of {self.num_ranks}: "
+                    f"{type(cause).__name__}: {cause}\nAll workers of the group were killed (the other ranks "
+                    "would block in collectives until dist_timeout_s); the group is unusable now."
+                ) from e
+        return results
+
     # -------------------------------------------------------------- data flow
     def _deal(self, micro_batches: list[FlatBatch]) -> list[list[FlatBatch | None]]:
-        per_rank: list[list[FlatBatch | None]] = list(balance_bins(micro_batches, self.num_ranks))
-        slots = max(1, max(len(x) for x in per_rank))
-        return [x + [None] * (slots - len(x)) for x in per_rank]
+        per_rank = balance_bins(micro_batches, self.num_ranks)
+        # train_step needs at least one slot: with nothing to deal every rank runs one dummy.
+        return per_rank if per_rank[0] else [[None] for _ in per_rank]
 
     def forward(
         self, samples: Sequence[Sample], max_tokens_per_microbatch: int, temperature: float = 1.0
@@ -176,9 +237,7 @@ class ModelGroup:
         if not samples:
             return []
         per_rank = self._deal(pack(samples, max_tokens_per_microbatch))
-        outs = ray.get(
-            [w.forward.remote(mbs, temperature) for w, mbs in zip(self.workers, per_rank, strict=True)]
-        )
+        outs = self._on_all("forward", temperature, per_rank=per_rank)
         results: list[torch.Tensor | None] = [None] * len(samples)
         for mbs, ys in zip(per_rank, outs, strict=True):
             for mb, y in zip(mbs, ys, strict=True):
@@ -218,8 +277,8 @@ class ModelGroup:
             )
         steps: list[dict[str, float]] = []
         for _ in range(num_epochs):
-            for chunk in _split_evenly(len(unit_list), num_minibatches):
-                chunk_units = [unit_list[j] for j in chunk]
+            for start, end in shard_bounds(len(unit_list), num_minibatches):
+                chunk_units = unit_list[start:end]
                 idx = [i for u in chunk_units for i in u]
                 pos = {i: k for k, i in enumerate(idx)}
                 local_units = [[pos[i] for i in u] for u in chunk_units]
@@ -239,39 +298,37 @@ class ModelGroup:
         mbs = pack(samples, budget, units=units)
         normalizer = float(sum(objective.loss_weight(mb) for mb in mbs))
         per_rank = self._deal(mbs)
-        refs = [
-            w.train_step.remote(x, objective, normalizer) for w, x in zip(self.workers, per_rank, strict=True)
-        ]
-        return _combine_rank_stats(ray.get(refs))
+        return _combine_rank_stats(self._on_all("train_step", objective, normalizer, per_rank=per_rank))
 
     def info(self) -> list[dict[str, Any]]:
         """Per-rank ``ModelWorker.info`` (device, parameters, optimizer steps taken)."""
-        return ray.get([w.info.remote() for w in self.workers])
+        return self._on_all("info")
 
     # ------------------------------------------------------- weights and state
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named state dict (gathered across ranks under ZeRO-3)."""
-        return ray.get([w.get_weights.remote() for w in self.workers])[0]
+        return self._on_all("get_weights")[0]
 
     def save_hf(self, path: str) -> None:
-        ray.get([w.save_hf.remote(str(path)) for w in self.workers])
+        self._on_all("save_hf", str(path))
 
     def save_checkpoint(
         self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None
     ) -> None:
         """DeepSpeed checkpoint (model, optimizer, scheduler, client state) under ``path``: a shared dir."""
-        ray.get([w.save_checkpoint.remote(str(path), client_state, tag) for w in self.workers])
+        self._on_all("save_checkpoint", str(path), client_state, tag)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> dict[str, Any]:
         """Restore every rank; returns the client state saved with the checkpoint."""
-        return ray.get([w.load_checkpoint.remote(str(path), tag) for w in self.workers])[0]
+        return self._on_all("load_checkpoint", str(path), tag)[0]
 
     def shutdown(self) -> None:
         """Leave the process groups and kill the actors (the placement group is the caller's)."""
-        try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
-        except Exception as e:  # a dead rank must not keep the others alive
-            logger.warning("ModelGroup(%s).shutdown: %s", self.role, e)
+        if self._failure is None:  # after a failure the workers are already killed
+            try:
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+            except Exception as e:  # a dead rank must not keep the others alive
+                logger.warning("ModelGroup(%s).shutdown: %s", self.role, e)
         for w in self.workers:
             ray.kill(w)
         self.workers = []

@@ -328,6 +328,12 @@ def test_rayjob_entrypoint_resolves(rayjob: dict[str, Any]) -> None:
             assert (REPO / "conf" / key / f"{value}.yaml").is_file(), override
             checked += 1
     assert checked, "the entrypoint selects no config group (expected at least cluster=gpu)"
+    # The whole command line must also pass the typed config's validation, not just name files.
+    from rlhf.config import compose
+
+    cfg = compose(module.rsplit(".", 1)[-1], overrides)
+    assert cfg.cluster.device == "cuda"
+    assert cfg.train.max_tokens_per_microbatch >= cfg.rollout.max_model_len
 
 
 def test_rayjob_cluster_matches_raycluster(raycluster: dict[str, Any], rayjob: dict[str, Any]) -> None:

@@ -6,11 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlhf.config import schema
 from rlhf.data.packing import pack, unpack
 from rlhf.data.types import FlatBatch, Sample
+from rlhf.models import forward
 from rlhf.models.forward import (
     PACKED_SDPA,
     build_value_model,
+    logprobs_from_logits,
     packed_hidden_values,
     packed_logprobs,
     packed_model_kwargs,
@@ -164,6 +167,48 @@ def test_packed_sdpa_padded_batch_falls_back_to_sdpa(causal_lm):
 def test_auto_picks_packed_sdpa_on_cpu(causal_lm):
     assert resolve_attn_impl(causal_lm, "auto") == PACKED_SDPA
     assert prepare_model_for_packing(causal_lm) == PACKED_SDPA
+
+
+def test_attn_impls_are_the_config_schema_list():
+    assert forward.ATTN_IMPLS is schema.ATTN_IMPLS
+    assert PACKED_SDPA in forward.ATTN_IMPLS and "flex_attention" not in forward.ATTN_IMPLS
+
+
+@pytest.mark.parametrize("bad", ["flex_attention", "flash_attn", "bogus"])
+def test_unknown_attn_impl_is_rejected(causal_lm, bad):
+    before = causal_lm.config._attn_implementation
+    for fn in (resolve_attn_impl, prepare_model_for_packing):
+        with pytest.raises(ValueError, match=r"model\.attn_impl=.*packed_sdpa, sdpa, eager") as e:
+            fn(causal_lm, bad)
+        assert repr(bad) in str(e.value)
+    assert causal_lm.config._attn_implementation == before
+
+
+def test_entropy_without_grad_matches_graph_version(causal_lm, samples):
+    batch = one_batch(samples)
+    prepare_model_for_packing(causal_lm, PACKED_SDPA)
+    lp_g, ent_g = packed_logprobs(causal_lm, batch, temperature=0.7, return_entropy=True)
+    lp_n, ent_n = packed_logprobs(causal_lm, batch, temperature=0.7, return_entropy=True, entropy_grad=False)
+    assert ent_g.requires_grad and lp_n.requires_grad and lp_n.grad_fn is not None
+    assert not ent_n.requires_grad and ent_n.grad_fn is None
+    torch.testing.assert_close(ent_n, ent_g.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp_n.detach(), lp_g.detach(), atol=1e-6, rtol=0)
+
+
+def test_entropy_without_grad_chunked(monkeypatch):
+    """Several row chunks (and bf16 logits): same values, no graph for the entropy, logprobs differentiable."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 50, generator=g) * 3).bfloat16().requires_grad_()
+    targets = torch.randint(0, 50, (37,), generator=g)
+    monkeypatch.setattr(forward, "_LOGIT_CHUNK_ELEMS", 50 * 8)
+    lp_g, ent_g = logprobs_from_logits(logits, targets, 0.7, return_entropy=True)
+    lp_n, ent_n = logprobs_from_logits(logits, targets, 0.7, return_entropy=True, entropy_grad=False)
+    assert ent_g.requires_grad and not ent_n.requires_grad
+    torch.testing.assert_close(ent_n, ent_g.detach(), atol=1e-6, rtol=0)
+    ref = torch.log_softmax(logits.detach().float() / 0.7, -1)
+    torch.testing.assert_close(ent_n, -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=0)
+    lp_n.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("impl", [PACKED_SDPA, "sdpa"])

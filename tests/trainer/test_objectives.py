@@ -122,6 +122,40 @@ def test_policy_objective_gradient_flows_and_scales(lm) -> None:
     torch.testing.assert_close(grads[1], 0.5 * grads[0], atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])
+def test_policy_objective_without_entropy_bonus_loss_and_grads(lm, aggregation: str) -> None:
+    """entropy_coef=0 (entropy only a statistic, no graph): loss, stats and every parameter
+    gradient match an independent per-sample reference on a separate copy of the model."""
+    model, ref = lm
+    samples = _samples(model.config.vocab_size)
+    mb = concat(samples)
+    obj = PolicyObjective(kl_coef_in_loss=0.1, entropy_coef=0.0, temperature=0.7, aggregation=aggregation)
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    loss, stats = obj(model, mb, 0.5)
+    loss.backward()
+
+    per = [_ref_logprobs(ref, s, 0.7) for s in samples]
+    lp, ent = _flat([p[0] for p in per]), _flat([p[1] for p in per])
+    m, cu = mb.action_mask, mb.cu_seqlens
+    exp_ppo, _ = ppo_policy_loss(lp, mb.old_logprobs, mb.advantages, m, cu, 0.2, 0.2, None, aggregation)
+    exp_kl = aggregate_loss(kl_estimator(lp, mb.ref_logprobs, "k3", action_mask=m), m, cu, aggregation)
+    expected = exp_ppo + 0.1 * exp_kl
+    (0.5 * expected).backward()
+
+    torch.testing.assert_close(loss.detach(), 0.5 * expected.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats["loss"], expected.detach(), atol=1e-5, rtol=1e-5)
+    exp_ent = aggregate_loss(ent.detach(), m, cu, aggregation)
+    torch.testing.assert_close(stats["entropy"], exp_ent, atol=1e-5, rtol=1e-5)
+    ref_grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, ref_grads[n].grad, atol=1e-5, rtol=1e-4, msg=f"grad of {n}")
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("clip_eps", [0.2, None])
 def test_value_objective_matches_per_sample_reference(value_model, clip_eps: float | None) -> None:
     samples = _samples(value_model.config.vocab_size)

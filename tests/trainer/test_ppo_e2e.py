@@ -6,6 +6,7 @@ module and reused: engines take ~15 s each to start on CPU.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -97,8 +98,10 @@ def _engines_serve_actor_weights(world, num_prompts=3):
     return weights
 
 
-def test_experience_contract(world, tmp_path):
-    tr = _trainer(world, tmp_path)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_experience_contract(world, tmp_path, temperature):
+    # At T != 1 the actor's old logprobs must be taken at the sampling temperature too.
+    tr = _trainer(world, tmp_path, rollout={"temperature": temperature})
     prompts = world["prompts"][:4]
     samples, stats = tr.maker.generate(prompts, step=0)
     assert len(samples) == 4 * 2 and stats.num_samples == 8
@@ -179,11 +182,31 @@ def test_non_finite_reward_error_or_drop(world, tmp_path):
     tr = _trainer(world, tmp_path, reward={"function": "rlhf.rewards.toy:nan_reward"})
     samples, stats = tr.maker.generate(world["prompts"][:4], step=0)
     with pytest.raises(RewardFunctionError, match="reward.non_finite=drop"):
-        tr.maker.score(list(samples), stats)
+        tr.maker.score(copy.deepcopy(samples), stats)
     tr.maker.cfg = dataclasses.replace(tr.cfg, reward=dataclasses.replace(tr.cfg.reward, non_finite="drop"))
-    kept = tr.maker.score(list(samples), stats)
-    assert stats.dropped_non_finite == len(samples) - len(kept) > 0
+    kept = tr.maker.score(copy.deepcopy(samples), stats)
+    assert stats.dropped_non_finite == len(samples) - len(kept) == 4  # prompts 1 and 3, 2 samples each
     assert all(s.score == 1.0 for s in kept)
+
+    # Only the very first sample is NaN: a per-token estimator drops it alone, a group estimator
+    # drops its whole group (a group of one has no baseline).
+    calls = []
+
+    def first_is_nan(prompt, response, info):
+        calls.append(1)
+        return float("nan") if len(calls) == 1 else 1.0
+
+    for advantage, dropped in (("gae", 1), ("grpo", 2)):
+        calls.clear()
+        tr.maker.reward_fn = first_is_nan
+        tr.maker.cfg = dataclasses.replace(
+            tr.maker.cfg, algorithm=dataclasses.replace(tr.cfg.algorithm, advantage=advantage)
+        )
+        batch = copy.deepcopy(samples)
+        kept = tr.maker.score(batch, stats)
+        assert stats.dropped_non_finite == dropped and len(kept) == len(samples) - dropped, advantage
+        ids = {id(k) for k in kept}
+        assert id(batch[0]) not in ids and (id(batch[1]) in ids) == (advantage == "gae")
 
 
 def test_empty_response_trains_without_nan(world, tmp_path):

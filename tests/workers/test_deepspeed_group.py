@@ -16,7 +16,7 @@ import torch
 from rlhf.data.types import Sample
 from rlhf.trainer.objectives import SFTObjective, ValueObjective
 from rlhf.trainer.pref_objectives import RMObjective
-from rlhf.workers.group import ModelGroup
+from rlhf.workers.group import ModelGroup, _rendezvous_node
 from rlhf.workers.placement import Placement, create_placement_group
 
 # (tokens, prompt length). Budget 20 packs them into 3 micro-batches, [15+5, 12+7, 9]: with 2
@@ -209,8 +209,9 @@ def test_reference_plain_module_forward_and_no_training(ray_session, model_dir, 
         with torch.no_grad():
             for s, lp in zip(samples, ref_group.forward(samples, BUDGET, temperature=1.0), strict=True):
                 torch.testing.assert_close(lp, _hf_logprobs(ref, s), atol=1e-5, rtol=0)
-        with pytest.raises(ray_session.exceptions.RayTaskError, match="inference-only"):
+        with pytest.raises(RuntimeError, match="train_step failed on rank 0.*inference-only") as e:
             ref_group.train(samples, SFTObjective(), BUDGET)
+        assert isinstance(e.value.__cause__, ray_session.exceptions.RayTaskError)
     finally:
         ref_group.shutdown()
 
@@ -260,7 +261,7 @@ def test_reward_role_trains_only_with_positive_lr(ray_session, model_dir, vocab)
     pairs = [[0, 1], [2, 3]]
     frozen = ModelGroup("reward", str(model_dir), 1, dict(DS, zero_stage=2, lr=0.0))
     try:
-        with pytest.raises(ray_session.exceptions.RayTaskError, match=r"inference-only.*lr > 0"):
+        with pytest.raises(RuntimeError, match=r"inference-only.*lr > 0"):
             frozen.train(samples, RMObjective(), BUDGET, units=pairs)
     finally:
         frozen.shutdown()
@@ -276,3 +277,75 @@ def test_reward_role_trains_only_with_positive_lr(ray_session, model_dir, vocab)
 def test_missing_resources_error_names_cluster_fields(ray_session) -> None:
     with pytest.raises(RuntimeError, match="cluster.cpus_per_worker"):
         create_placement_group(2, cpus_per_bundle=1000, gpus_per_bundle=0, timeout_s=1)
+
+
+# ---------------------------------------------------------------- critic init
+def test_critic_keeps_the_head_of_a_value_model_dir(ray_session, model_dir, vocab, tmp_path) -> None:
+    """A critic on a reward-model/critic dir keeps its head; on a causal-LM dir it gets a fresh one."""
+    from rlhf.models.forward import build_value_model
+
+    src = build_value_model(model_dir, init_from_causal_lm=True)
+    known = torch.linspace(-0.05, 0.05, src.score.weight.numel()).reshape(src.score.weight.shape)
+    with torch.no_grad():
+        src.score.weight.copy_(known)
+    src.save_pretrained(str(tmp_path / "rm"))
+    samples = _samples(vocab, seed=7)
+    ref = build_value_model(tmp_path / "rm", init_from_causal_lm=False).eval()
+    groups = []
+    try:
+        critic = ModelGroup("critic", str(tmp_path / "rm"), 1, dict(DS, zero_stage=2))
+        groups.append(critic)
+        assert torch.equal(critic.get_weights()["score.weight"], known)
+        with torch.no_grad():
+            for s, v in zip(samples, critic.forward(samples, BUDGET), strict=True):
+                full = ref.score(ref.base_model(s.input_ids[None]).last_hidden_state[0])[:, 0]
+                torch.testing.assert_close(v[1:], full[:-1], atol=1e-5, rtol=0)
+        fresh = ModelGroup("critic", str(model_dir), 1, dict(DS, zero_stage=2))
+        groups.append(fresh)
+        head = fresh.get_weights()["score.weight"]
+        assert head.shape == known.shape and not torch.allclose(head, known) and head.abs().sum() > 0
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+# ---------------------------------------------------------------- failures and rendezvous
+def test_failing_rank_kills_the_group_fast_instead_of_hanging(ray_session, model_dir, vocab) -> None:
+    """Rank 1 raises mid train_step; rank 0 would wait in a collective for dist_timeout_s (120 s)."""
+
+    class FailOnRank1(SFTObjective):  # local: pickled by value to the workers
+        def __call__(self, model, mb, loss_scale):
+            import torch.distributed as dist
+
+            if dist.get_rank() == 1:
+                raise ValueError("objective blew up on purpose")
+            return super().__call__(model, mb, loss_scale)
+
+    group = ModelGroup("actor", str(model_dir), 2, dict(DS, zero_stage=2))
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(
+            RuntimeError,
+            match=r"ModelGroup\(actor\): train_step failed on rank 1 of 2: ValueError: objective blew up",
+        ) as e:
+            group.train(_samples(vocab), FailOnRank1(), BUDGET)
+        assert time.perf_counter() - t0 < 60
+        assert isinstance(e.value.__cause__, ray_session.exceptions.RayTaskError)
+        # The group is dead: no call reaches the (killed) workers any more.
+        with pytest.raises(RuntimeError, match="dead after an earlier failure"):
+            group.info()
+    finally:
+        group.shutdown()
+
+
+def test_rendezvous_loopback_only_when_every_bundle_is_on_the_driver_node() -> None:
+    bundles = {0: "A", 1: "A", 2: "B", 3: "B"}  # a 2-node PACK placement group
+    ips = {"A": "10.0.0.1", "B": "10.0.0.2"}
+    assert _rendezvous_node(bundles, [0, 1], "A", ips) == ("127.0.0.1", "A")
+    # Rank 0 on the driver's node but rank 1 on B: B must not dial its own loopback.
+    assert _rendezvous_node(bundles, [1, 2], "A", ips) == ("10.0.0.1", "A")
+    # Rank 0 elsewhere: its node's address, port picked there.
+    assert _rendezvous_node(bundles, [2, 0], "A", ips) == ("10.0.0.2", "B")
+    assert _rendezvous_node(bundles, [2, 3], "A", ips) == ("10.0.0.2", "B")
+    # A driver outside the cluster's bundles (e.g. a head node without workers).
+    assert _rendezvous_node(bundles, [0, 1], "C", ips) == ("10.0.0.1", "A")
