@@ -17,12 +17,11 @@ class Prompt:
 
 
 def toy_count_messages(n: int, seed: int) -> list[list[dict]]:
+    """The toy count task's prompts, as one-message chats (same prompts as the SFT/DPO toy rows)."""
+    from rlhf.data.toy import count_prompt
+
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        start, k = rng.randint(0, 80), rng.randint(2, 4)
-        out.append([{"role": "user", "content": "count " + " ".join(str(start + i) for i in range(k))}])
-    return out
+    return [[{"role": "user", "content": count_prompt(rng)[0]}] for _ in range(n)]
 
 
 def read_prompt_rows(source: str, key: str) -> list[list[dict]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 
-def _count_prompt(rng: random.Random) -> tuple[str, int]:
+def count_prompt(rng: random.Random) -> tuple[str, int]:
+    """``("count 3 4 5", 6)``: a prompt and the number that continues it."""
     start, k = rng.randint(0, 80), rng.randint(2, 4)
     return "count " + " ".join(str(start + i) for i in range(k)), start + k
 
@@ -15,7 +16,7 @@ def toy_sft_rows(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        prompt, nxt = _count_prompt(rng)
+        prompt, nxt = count_prompt(rng)
         first = " ".join(str(nxt + i) for i in range(3))
         second = " ".join(str(nxt + 3 + i) for i in range(3))
         rows.append(
@@ -36,7 +37,7 @@ def toy_preference_rows(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        prompt, nxt = _count_prompt(rng)
+        prompt, nxt = count_prompt(rng)
         chosen = " ".join(str(nxt + i) for i in range(3))
         if rng.random() < 0.5:
             rejected = " ".join(rng.choice("abcdefgh") for _ in range(3))

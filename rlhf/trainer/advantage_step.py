@@ -70,7 +70,7 @@ def compute_advantages(batch: FlatBatch, cfg) -> tuple[torch.Tensor, torch.Tenso
             raise ValueError(f"algorithm.advantage={adv_kind!r} is not implemented")
         adv = broadcast_sequence_advantages(seq_adv, mask, cu)
     if cfg.normalize_advantages and bool(mask.any()):
-        adv = torch.where(mask, masked_whiten(adv, mask), torch.zeros_like(adv))
+        adv = masked_whiten(adv, mask)  # exactly 0 off the mask
     stats = {"advantages/mean": float(masked_mean(adv, mask)) if mask.any() else 0.0}
     if kl is not None and mask.any():
         stats["kl"] = float(masked_mean(kl, mask))
