@@ -194,16 +194,21 @@ class ExperienceMaker:
         clip = self.cfg.reward.clip
         for s, r in zip(samples, scores, strict=True):
             s.score = max(-clip, min(clip, r)) if clip > 0 else r
-        for name, group in (
-            ("old_logprobs", self.actor),
-            ("ref_logprobs", self.reference),
-            ("values", self.critic),
-        ):
-            if group is not None:
-                # Logprobs at the sampling temperature, as the engine reported and the policy loss uses.
-                temperature = self.cfg.rollout.temperature if name != "values" else 1.0
-                for s, out in zip(samples, group.forward(samples, self.budget, temperature), strict=True):
-                    setattr(s, name, out.float())
+        # All scoring forwards run at once; logprobs at the sampling temperature, as the engine
+        # reported them and as the policy loss computes them.
+        t = self.cfg.rollout.temperature
+        pending = [
+            (name, group.forward_async(samples, self.budget, temp))
+            for name, group, temp in (
+                ("old_logprobs", self.actor, t),
+                ("ref_logprobs", self.reference, t),
+                ("values", self.critic, 1.0),
+            )
+            if group is not None
+        ]
+        for name, collect in pending:
+            for s, out in zip(samples, collect(), strict=True):
+                setattr(s, name, out.float())
         return samples
 
     def _rewards(self, samples: list[Sample]) -> list[float]:

@@ -135,7 +135,7 @@ class PPOTrainer:
         return stats
 
     def sync_weights(self) -> None:
-        self.w.rollout.update_weights(self.w.actor.get_weights())
+        self.w.rollout.update_weights(self.w.actor.get_weights_ref())
 
     @staticmethod
     def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:

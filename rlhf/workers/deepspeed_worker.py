@@ -453,6 +453,17 @@ class ModelWorker:
             for k, v in model.state_dict(keep_vars=True).items()
         }
 
+    def get_weights_ref(self) -> list | None:
+        """``get_weights`` put in the object store by this rank: ``[ObjectRef]`` on rank 0.
+
+        The ref is wrapped in a list so Ray hands it to the driver unresolved: the weights go
+        from this worker to the rollout engines without a copy through the driver.
+        """
+        import ray
+
+        weights = self.get_weights()
+        return None if weights is None else [ray.put(list(weights.items()))]
+
     @staticmethod
     def _gather_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
         buckets: list[list[torch.nn.Parameter]] = [[]]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -186,16 +186,18 @@ class ModelGroup:
 
         Fails fast: see the module docstring (the first rank error kills the group).
         """
+        return self._gather(self._submit(method, *args, per_rank=per_rank), method)
+
+    def _submit(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None) -> list[Any]:
         if self._failure is not None:
             raise RuntimeError(
                 f"ModelGroup({self.role}) is dead after an earlier failure ({self._failure}); "
                 "create a new group"
             )
-        refs = [
+        return [
             getattr(w, method).remote(*(() if per_rank is None else (per_rank[r],)), *args)
             for r, w in enumerate(self.workers)
         ]
-        return self._gather(refs, method)
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
         rank_of = {ref: r for r, ref in enumerate(refs)}
@@ -233,20 +235,33 @@ class ModelGroup:
         actor/reference: logprobs ``[n]`` (``logprobs[t] = log p(x_t | x_<t)``, 0 at t=0);
         critic: values ``[n]``; reward: a 0-dim score per sample.
         """
+        return self.forward_async(samples, max_tokens_per_microbatch, temperature)()
+
+    def forward_async(
+        self, samples: Sequence[Sample], max_tokens_per_microbatch: int, temperature: float = 1.0
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Start ``forward`` on every rank and return a function that waits for its result.
+
+        Lets the driver run several groups' forwards at once (scoring: actor, reference, critic).
+        """
         samples = list(samples)
         if not samples:
-            return []
+            return list
         per_rank = self._deal(pack(samples, max_tokens_per_microbatch))
-        outs = self._on_all("forward", temperature, per_rank=per_rank)
-        results: list[torch.Tensor | None] = [None] * len(samples)
-        for mbs, ys in zip(per_rank, outs, strict=True):
-            for mb, y in zip(mbs, ys, strict=True):
-                if mb is None:
-                    continue
-                parts = list(y) if self.role == "reward" else unpack(y, mb.cu_seqlens)
-                for i, part in zip(mb.sample_index.tolist(), parts, strict=True):
-                    results[i] = part
-        return results  # type: ignore[return-value]
+        refs = self._submit("forward", temperature, per_rank=per_rank)
+
+        def collect() -> list[torch.Tensor]:
+            results: list[torch.Tensor | None] = [None] * len(samples)
+            for mbs, ys in zip(per_rank, self._gather(refs, "forward"), strict=True):
+                for mb, y in zip(mbs, ys, strict=True):
+                    if mb is None:
+                        continue
+                    parts = list(y) if self.role == "reward" else unpack(y, mb.cu_seqlens)
+                    for i, part in zip(mb.sample_index.tolist(), parts, strict=True):
+                        results[i] = part
+            return results  # type: ignore[return-value]
+
+        return collect
 
     def train(
         self,
@@ -308,6 +323,10 @@ class ModelGroup:
     def get_weights(self) -> dict[str, torch.Tensor]:
         """Full HF-named state dict (gathered across ranks under ZeRO-3)."""
         return self._on_all("get_weights")[0]
+
+    def get_weights_ref(self) -> Any:
+        """ObjectRef of the full ``[(name, tensor), ...]``, put by rank 0 (never copied to the driver)."""
+        return self._on_all("get_weights_ref")[0][0]
 
     def save_hf(self, path: str) -> None:
         self._on_all("save_hf", str(path))

@@ -213,20 +213,26 @@ class RolloutPool:
         return out
 
     def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+        self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Any
     ) -> None:
-        """Put HF-named tensors in the object store once and have every engine load them.
+        """Have every engine load HF-named tensors, put in the object store once.
 
-        Tensors are detached and copied to CPU first (a CUDA tensor in the object store would pin
-        the trainer's device). The ref is kept (``keep_last_weights``) for restarted engines.
+        ``state_dict`` is a mapping / ``(name, tensor)`` pairs, or an ``ObjectRef`` of such CPU
+        pairs already in the object store (``ModelGroup.get_weights_ref``: no copy through the
+        driver). Tensors given directly are detached and copied to CPU first (a CUDA tensor in
+        the object store would pin the trainer's device). The ref is kept
+        (``keep_last_weights``) for restarted engines.
         """
         import ray
 
-        items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
-        named = [(str(k), v.detach().to("cpu").contiguous()) for k, v in items]
-        if not named:
-            raise ValueError("update_weights got an empty state_dict")
-        ref = ray.put(named)
+        if isinstance(state_dict, ray.ObjectRef):
+            ref = state_dict
+        else:
+            items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
+            named = [(str(k), v.detach().to("cpu").contiguous()) for k, v in items]
+            if not named:
+                raise ValueError("update_weights got an empty state_dict")
+            ref = ray.put(named)
         self.weight_version += 1
         # Set before loading: an engine that dies mid-sync is restarted with THESE weights.
         self._weights_ref = ref

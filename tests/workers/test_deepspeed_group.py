@@ -197,6 +197,14 @@ def test_get_weights_full_hf_state_dict_and_save_hf(actor, model_dir, tmp_path) 
     actor.save_hf(str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "tokenizer.json").exists()
     assert _max_diff(_hf_lm(tmp_path / "hf").state_dict(), hf) == 0.0
+    # The object-store path used for engine weight sync holds the same tensors, in order.
+    import ray
+
+    ref = actor.get_weights_ref()
+    assert isinstance(ref, ray.ObjectRef)
+    named = ray.get(ref)
+    assert [k for k, _ in named] == list(hf)
+    assert _max_diff(dict(named), hf) == 0.0
 
 
 # ---------------------------------------------------------------- inference-only roles
