@@ -21,7 +21,7 @@ def save_checkpoint(output_dir: str | Path, step: int, groups: dict[str, Any], s
     root = Path(output_dir) / "checkpoints"
     path = root / f"step_{step}"
     for name, group in groups.items():
-        group.save_checkpoint(str(path / name), state)
+        group.save_checkpoint(str(path / name))  # the run state lives once, in trainer_state.json
     (path / "trainer_state.json").write_text(json.dumps(state))
     (root / "latest").write_text(path.name)
     log.info("saved checkpoint %s", path)
