@@ -9,6 +9,7 @@ import torch
 __all__ = ["KLKind", "kl_estimator"]
 
 KLKind = Literal["k1", "k2", "k3"]
+_LOG_RATIO_BOUND = 20.0
 
 
 def kl_estimator(
@@ -32,8 +33,11 @@ def kl_estimator(
             (packed ``[T]`` in this project).
         ref_logprobs (torch.Tensor): same shape, under the reference policy.
         kind (Literal["k1", "k2", "k3"]): which estimator. Default "k3".
-        clamp (float | None): if given, the estimate is clamped to ``[-clamp, clamp]``; guards against
-            ``k3`` blowing up (``exp``) when the two policies disagree strongly. Default None.
+        clamp (float | None): if given, the estimate is clamped to ``[-clamp, clamp]`` (verl and
+            OpenRLHF use 10): one token where the policies disagree strongly (log-ratio -15 gives
+            k3 = 3.3e6) would otherwise swamp the reward and the gradient. The log-ratio is first
+            bounded to ``[-20, 20]`` (as verl does) so that ``exp`` stays finite and the gradient
+            of a clamped token is 0, not NaN. Default None (no clamp).
         action_mask (torch.Tensor | None): bool, same shape; where false the output is exactly 0,
             whatever the inputs hold there (e.g. NaN at the first token of a sample). Default None.
 
@@ -44,6 +48,8 @@ def kl_estimator(
     if action_mask is not None:
         # Sanitize before exp so that garbage at masked positions cannot produce inf/NaN gradients.
         log_ratio = torch.where(action_mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
     if kind == "k1":
         kl = log_ratio
     elif kind == "k2":

@@ -15,12 +15,20 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from rlhf.algorithms.masking import _as_bool, masked_mean, masked_var, segment_mean, segment_sum
+from rlhf.algorithms.masking import (
+    _as_bool,
+    masked_mean,
+    masked_var,
+    segment_ids,
+    segment_mean,
+    segment_sum,
+)
 
 __all__ = [
     "Aggregation",
     "aggregate_loss",
     "dpo_loss",
+    "gspo_policy_loss",
     "pairwise_rm_loss",
     "ppo_policy_loss",
     "sft_loss",
@@ -86,6 +94,7 @@ def ppo_policy_loss(
     clip_eps_high: float = 0.2,
     dual_clip: float | None = None,
     aggregation: Aggregation = "token_mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss (PPO, Schulman et al. 2017), with DAPO clip-higher and dual clip.
 
@@ -106,6 +115,8 @@ def ppo_policy_loss(
         clip_eps_high (float): upper clip range, ratio <= 1 + clip_eps_high. Default 0.2.
         dual_clip (float | None): dual-clip constant ``c > 1``, or None to disable. Default None.
         aggregation (Aggregation): see :func:`aggregate_loss`. Default "token_mean".
+        weights (torch.Tensor | None): ``[T]`` per-token multipliers of the loss (rollout-correction
+            importance weights, treated as constants), or None for 1. Default None.
 
     Returns:
         tuple[torch.Tensor, dict[str, torch.Tensor]]: the 0-dim loss and detached stats over action
@@ -129,6 +140,8 @@ def ppo_policy_loss(
         dual_active = (adv < 0) & (capped < per_token)
         per_token = torch.where(adv < 0, capped, per_token)
         stats["dual_clip_fraction"] = masked_mean(dual_active.to(ratio.dtype), mask).detach()
+    if weights is not None:
+        per_token = per_token * _select(weights.detach(), mask)
     loss = aggregate_loss(per_token, mask, cu_seqlens, aggregation)
 
     with torch.no_grad():
@@ -136,6 +149,80 @@ def ppo_policy_loss(
         # Samples come from the old policy, so k3 with r = new/old estimates KL(old || new).
         stats["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
         stats["ratio_mean"] = masked_mean(ratio, mask)
+    return loss, stats
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    clip_eps_low: float = 3e-4,
+    clip_eps_high: float = 4e-4,
+    dual_clip: float | None = None,
+    aggregation: Aggregation = "seq_mean_token_mean",
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Group Sequence Policy Optimization loss (GSPO, Zheng et al. 2025).
+
+    The importance ratio is per sequence and length-normalised, the geometric mean of the
+    token ratios over the sample's action tokens (all of its turns)::
+
+        s_i = exp(mean_{t in actions(i)} (logprobs_t - old_logprobs_t))
+
+    and the clip acts on ``s_i``. The gradient is the GSPO-token form: on token ``t`` the ratio is
+    ``sg[s_i] * pi(y_t) / sg[pi(y_t)]``, equal to ``s_i`` in value, so with one advantage per
+    sample it equals the gradient of the sequence objective; per-token advantages also work::
+
+        loss_t = max(-A_t * s_i, -A_t * clip(s_i, 1 - clip_eps_low, 1 + clip_eps_high))
+
+    The defaults are the paper's (clip 3e-4 / 4e-4, mean over tokens then over sequences).
+
+    Args:
+        logprobs (torch.Tensor): ``[T]`` log-probabilities under the current policy.
+        old_logprobs (torch.Tensor): ``[T]`` same under the behaviour policy.
+        advantages (torch.Tensor): ``[T]`` per-token advantages.
+        action_mask (torch.Tensor): ``[T]`` bool, the tokens that carry a loss.
+        cu_seqlens (torch.Tensor): ``[B + 1]`` integer cumulative sequence lengths.
+        clip_eps_low (float): lower clip range of the sequence ratio. Default 3e-4.
+        clip_eps_high (float): upper clip range of the sequence ratio. Default 4e-4.
+        dual_clip (float | None): not defined for GSPO; must be None.
+        aggregation (Aggregation): see :func:`aggregate_loss`. Default "seq_mean_token_mean".
+        weights (torch.Tensor | None): ``[T]`` per-token loss multipliers (rollout correction),
+            treated as constants, or None. Default None.
+
+    Returns:
+        tuple[torch.Tensor, dict[str, torch.Tensor]]: the 0-dim loss and detached stats:
+        ``clip_fraction`` (share of action tokens whose sequence ratio is clipped),
+        ``approx_kl`` (token k3 estimate of ``KL(old || new)``), ``ratio_mean`` (mean
+        sequence ratio over samples with actions).
+    """
+    if dual_clip is not None:
+        raise ValueError("gspo_policy_loss has no dual clip; set algorithm.dual_clip=0")
+    mask = _as_bool(action_mask)
+    log_ratio = _select(logprobs - old_logprobs, mask)
+    adv = _select(advantages, mask)
+    counts = segment_sum(mask.long(), cu_seqlens)
+    seq_log_ratio = segment_sum(log_ratio, cu_seqlens) / counts.clamp(min=1).to(log_ratio.dtype)
+    ids = segment_ids(cu_seqlens.to(mask.device), mask.shape[0])
+    # Value s_i on every token, gradient of log pi_t: the GSPO-token construction.
+    token_log_s = _select(logprobs - logprobs.detach(), mask) + seq_log_ratio.detach()[ids]
+    # Same overflow guard as the token ratio: such sequences are clipped anyway.
+    s = torch.exp(token_log_s.clamp(max=20.0))
+    unclipped = -adv * s
+    clipped = -adv * s.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * _select(weights.detach(), mask)
+    loss = aggregate_loss(per_token, mask, cu_seqlens, aggregation)
+    with torch.no_grad():
+        has_actions = counts > 0
+        stats = {
+            "clip_fraction": masked_mean((clipped > unclipped).to(s.dtype), mask),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            "ratio_mean": masked_mean(torch.exp(seq_log_ratio), has_actions),
+        }
     return loss, stats
 
 
@@ -220,7 +307,10 @@ def dpo_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sigmoid DPO loss (Rafailov et al. 2023) with conservative label smoothing (cDPO, as in TRL).
+    """Sigmoid DPO loss (Rafailov et al. 2023) with conservative label smoothing (cDPO).
+
+    The smoothing is cDPO's (Mitchell 2023), as OpenRLHF's ``label_smoothing``; TRL 1.16's
+    ``sigmoid`` loss has none, so it matches TRL only with ``label_smoothing=0``.
 
     With ``h = (pi_c - pi_r) - (ref_c - ref_r)`` (sequence log-probabilities summed over response
     tokens)::

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ADVANTAGES = ("gae", "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo")
-# Estimators that compare the samples of one prompt (they need n_samples_per_prompt >= 2).
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+from rlhf.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
+from rlhf.algorithms.registry import ESTIMATORS, POLICY_LOSSES
+
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 ATTN_IMPLS = ("auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -130,12 +130,17 @@ class EnvConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "gae"
+    """What the RL step computes. Estimators and policy losses are the rows of
+    ``rlhf.algorithms.registry``; conventions are in docs/algorithms.md."""
+
+    advantage: str = "gae"  # a name in rlhf.algorithms.registry.ESTIMATORS
+    policy_loss: str = "ppo"  # ppo | gspo (rlhf.algorithms.registry.POLICY_LOSSES)
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.01
     kl_kind: str = "k1"
     kl_in_reward: bool = True  # False = KL as a loss term (GRPO style)
+    kl_clamp: float = 10.0  # |KL estimate| per token is clamped to this (verl/OpenRLHF); 0 = off
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip: float = 0.0  # 0 = off; else e.g. 3.0
@@ -143,19 +148,68 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     loss_aggregation: str = "token_mean"
     normalize_advantages: bool = True
+    # Training-inference mismatch: none | tis (truncate pi_old/pi_rollout at tis_cap) |
+    # mis (weight 0 where it leaves [mis_low, mis_high]); per token, sequence or geometric mean.
+    rollout_correction: str = "none"
+    rollout_correction_level: str = "token"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    # DAPO dynamic sampling: drop groups whose scores are all equal and generate more prompts,
+    # at most dynamic_sampling_max_rounds generation rounds per step (then train on what there is).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 10
+    # DAPO overlong shaping: a linear penalty up to -overlong_penalty over the last
+    # overlong_buffer_frac * rollout.max_new_tokens tokens (0 = off; DAPO: 4096 of 20480 = 0.2).
+    overlong_buffer_frac: float = 0.0
+    overlong_penalty: float = 1.0
+    overlong_filter: bool = False  # True = samples cut by max_new_tokens get no policy loss
 
     def __post_init__(self) -> None:
-        _one_of("algorithm.advantage", self.advantage, ADVANTAGES)
+        _one_of("algorithm.advantage", self.advantage, tuple(ESTIMATORS))
+        _one_of("algorithm.policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
         _one_of("algorithm.kl_kind", self.kl_kind, KL_KINDS)
         _one_of("algorithm.loss_aggregation", self.loss_aggregation, AGGREGATIONS)
+        _one_of("algorithm.rollout_correction", self.rollout_correction, CORRECTION_MODES)
+        _one_of("algorithm.rollout_correction_level", self.rollout_correction_level, CORRECTION_LEVELS)
         _check(
             0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "algorithm.gamma and algorithm.lam must be in [0, 1]"
         )
         _check(self.dual_clip == 0 or self.dual_clip > 1, "algorithm.dual_clip must be 0 (off) or > 1")
+        _check(
+            self.dual_clip == 0 or POLICY_LOSSES[self.policy_loss].supports_dual_clip,
+            f"algorithm.policy_loss={self.policy_loss} has no dual clip: set algorithm.dual_clip=0",
+        )
+        _check(
+            self.clip_eps_low >= 0 and self.clip_eps_high >= 0 and self.clip_eps_low < 1,
+            "algorithm.clip_eps_low must be in [0, 1) and algorithm.clip_eps_high >= 0",
+        )
+        _check(self.kl_clamp >= 0, "algorithm.kl_clamp must be >= 0 (0 = no clamp)")
+        _check(self.tis_cap >= 1, f"algorithm.tis_cap must be >= 1, got {self.tis_cap}")
+        _check(
+            0 <= self.mis_low < 1 < self.mis_high,
+            f"algorithm.mis_low/mis_high must satisfy 0 <= mis_low < 1 < mis_high, got "
+            f"{self.mis_low}/{self.mis_high}",
+        )
+        _check(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds must be >= 1")
+        _check(
+            0 <= self.overlong_buffer_frac <= 1,
+            f"algorithm.overlong_buffer_frac must be in [0, 1] (0 = off), got {self.overlong_buffer_frac}",
+        )
+
+    def overlong_buffer_len(self, max_new_tokens: int) -> int:
+        """Tokens of the overlong penalty ramp (0 = shaping off)."""
+        if self.overlong_buffer_frac == 0:
+            return 0
+        return max(1, round(self.overlong_buffer_frac * max_new_tokens))
+
+    @property
+    def estimator(self):
+        return ESTIMATORS[self.advantage]
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+        return self.estimator.uses_critic
 
 
 @dataclass
@@ -222,11 +276,23 @@ class PPOConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
-        if self.algorithm.advantage in GROUP_ESTIMATORS:
+        a = self.algorithm
+        if a.estimator.compares_group:
             _check(
                 self.rollout.n_samples_per_prompt >= 2,
-                f"algorithm.advantage={self.algorithm.advantage} compares samples of the same prompt: "
+                f"algorithm.advantage={a.advantage} compares samples of the same prompt: "
                 "set rollout.n_samples_per_prompt >= 2",
+            )
+        if a.dynamic_sampling:
+            _check(
+                self.rollout.n_samples_per_prompt >= 2,
+                "algorithm.dynamic_sampling keeps groups whose scores differ: set rollout.n_samples_per_prompt >= 2",
+            )
+        if a.overlong_buffer_frac > 0:
+            _check(
+                a.overlong_buffer_len(self.rollout.max_new_tokens) < self.rollout.max_new_tokens,
+                f"algorithm.overlong_buffer_frac={a.overlong_buffer_frac} leaves no unpenalised length "
+                f"below rollout.max_new_tokens={self.rollout.max_new_tokens}: use a value below 1",
             )
         _check(
             self.data.max_prompt_len < self.rollout.max_model_len,

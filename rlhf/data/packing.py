@@ -65,6 +65,7 @@ def truncate_sample(s: Sample, max_len: int) -> Sample:
         action_mask=s.action_mask[:max_len],
         score=s.score,
         group_id=s.group_id,
+        finish_reason=s.finish_reason,
         info=info,
         **kw,
     )

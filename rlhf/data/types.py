@@ -22,6 +22,9 @@ ref_logprobs        [n] float32   reference-model logprobs (filled by the scorer
 old_logprobs        [n] float32   actor logprobs before the update (filled by the scorer)
 values              [n] float32   critic values (GAE only)
 advantages/returns  [n] float32   filled by the advantage step; 0 off the action mask
+loss_weights        [n] float32   policy-loss weight per token (rollout correction, overlong
+                                  filter); 0 = no loss on that token. None = 1 on every action
+finish_reason       str | None    why generation stopped: "stop", "length" (hit the limit)
 ==================  ============  ==========================================================
 
 ``FlatBatch`` is many samples concatenated (no padding): per-token fields have shape [T]
@@ -39,7 +42,15 @@ from typing import Any
 import torch
 
 # Per-token float fields that travel with a sample through scoring, advantages and training.
-TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+TOKEN_FIELDS = (
+    "rollout_logprobs",
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "advantages",
+    "returns",
+    "loss_weights",
+)
 
 
 @dataclass
@@ -56,6 +67,8 @@ class Sample:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
+    finish_reason: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,6 +134,7 @@ class FlatBatch:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

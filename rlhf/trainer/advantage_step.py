@@ -1,74 +1,53 @@
-"""The advantage step of the PPO loop: KL, token rewards and advantages for a batch.
+"""The advantage step of the PPO loop: KL, advantages and policy-loss weights for a batch.
 
-Thin glue that picks the estimator named by ``algorithm.advantage`` and calls the pure
-functions in ``rlhf.algorithms`` on the flat (unpadded) batch.
+Thin glue: the estimator is the row of ``rlhf.algorithms.registry.ESTIMATORS`` named by
+``algorithm.advantage``; rollout correction and the overlong filter become per-token
+``loss_weights`` (``rlhf.algorithms.correction``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlhf.algorithms.advantages import (
-    broadcast_sequence_advantages,
-    gae,
-    grpo_advantages,
-    reinforce_pp_baseline,
-    reinforce_pp_returns,
-    rloo_advantages,
-    token_level_rewards,
-)
+from rlhf.algorithms.correction import mismatch_stats, rollout_correction_weights
 from rlhf.algorithms.kl import kl_estimator
-from rlhf.algorithms.masking import masked_mean, masked_whiten, segment_sum
+from rlhf.algorithms.masking import masked_mean, masked_whiten
+from rlhf.algorithms.registry import ESTIMATORS, AdvantageInputs
+from rlhf.config.schema import AlgorithmConfig
 from rlhf.data.packing import concat, unpack
 from rlhf.data.types import FlatBatch, Sample
 
 
-def per_token_kl(batch: FlatBatch, kind: str) -> torch.Tensor | None:
+def per_token_kl(batch: FlatBatch, kind: str, clamp: float = 0.0) -> torch.Tensor | None:
     """KL(actor || reference) estimate on action tokens, 0 elsewhere; None without a reference."""
     if batch.ref_logprobs is None or batch.old_logprobs is None:
         return None
-    kl = kl_estimator(batch.old_logprobs, batch.ref_logprobs, kind=kind)
+    kl = kl_estimator(batch.old_logprobs, batch.ref_logprobs, kind=kind, clamp=clamp or None)
     return torch.where(batch.action_mask, kl, torch.zeros_like(kl))
 
 
-def compute_advantages(batch: FlatBatch, cfg) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-    """Advantages [T] (and returns [T] for GAE) for ``algorithm.advantage``.
+def compute_advantages(
+    batch: FlatBatch, cfg: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Advantages [T] (and returns [T] for critic estimators) for ``algorithm.advantage``.
 
-    ``cfg`` is an ``AlgorithmConfig``. With ``kl_in_reward`` the KL penalty is folded into the
-    token rewards; otherwise it is left to the policy loss (GRPO style).
+    With ``kl_in_reward`` the KL penalty is folded into the rewards the estimator reads;
+    otherwise it is left to the policy loss (GRPO style).
     """
-    mask, cu = batch.action_mask, batch.cu_seqlens
-    kl = per_token_kl(batch, cfg.kl_kind)
-    kl_r = kl if cfg.kl_in_reward else None
-    scores = batch.scores.float()
-    returns = None
-    adv_kind = cfg.advantage
-    if adv_kind == "gae":
-        if batch.values is None:
-            raise ValueError("algorithm.advantage=gae needs critic values; the critic group is missing")
-        rewards = token_level_rewards(scores, kl_r, cfg.kl_coef, mask, cu)
-        adv, returns = gae(batch.values, rewards, mask, cu, gamma=cfg.gamma, lam=cfg.lam)
-    elif adv_kind == "reinforce_pp":
-        adv = reinforce_pp_returns(
-            token_level_rewards(scores, kl_r, cfg.kl_coef, mask, cu), mask, cu, cfg.gamma
-        )
-    elif adv_kind == "reinforce_pp_baseline":
-        base = reinforce_pp_baseline(scores, batch.group_ids)
-        adv = reinforce_pp_returns(
-            token_level_rewards(base, kl_r, cfg.kl_coef, mask, cu), mask, cu, cfg.gamma
-        )
-    else:
-        seq = scores
-        if kl_r is not None:
-            # Sequence estimators see the KL penalty as a sequence-level cost.
-            seq = seq - cfg.kl_coef * segment_sum(kl_r, cu)
-        if adv_kind in ("grpo", "dr_grpo"):
-            seq_adv = grpo_advantages(seq, batch.group_ids, scale_by_std=adv_kind == "grpo")
-        elif adv_kind == "rloo":
-            seq_adv = rloo_advantages(seq, batch.group_ids)
-        else:
-            raise ValueError(f"algorithm.advantage={adv_kind!r} is not implemented")
-        adv = broadcast_sequence_advantages(seq_adv, mask, cu)
+    mask = batch.action_mask
+    kl = per_token_kl(batch, cfg.kl_kind, cfg.kl_clamp)
+    inputs = AdvantageInputs(
+        scores=batch.scores.float(),
+        action_mask=mask,
+        cu_seqlens=batch.cu_seqlens,
+        group_ids=batch.group_ids,
+        kl=kl if cfg.kl_in_reward else None,
+        values=batch.values,
+        kl_coef=cfg.kl_coef,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+    )
+    adv, returns = ESTIMATORS[cfg.advantage].fn(inputs)
     if cfg.normalize_advantages and bool(mask.any()):
         adv = masked_whiten(adv, mask)  # exactly 0 off the mask
     stats = {"advantages/mean": float(masked_mean(adv, mask)) if mask.any() else 0.0}
@@ -77,8 +56,60 @@ def compute_advantages(batch: FlatBatch, cfg) -> tuple[torch.Tensor, torch.Tenso
     return adv, returns, stats
 
 
-def advantage_step(samples: list[Sample], cfg) -> dict[str, float]:
-    """Compute advantages (and returns) for ``samples`` in place; returns stats."""
+def compute_loss_weights(
+    batch: FlatBatch, truncated: torch.Tensor, cfg: AlgorithmConfig
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Per-token policy-loss weights [T] from rollout correction and the overlong filter.
+
+    ``truncated`` is ``[B]`` bool (the sample hit ``max_new_tokens``). Returns None when
+    neither is on (every action token weighs 1). The engine/trainer mismatch is measured
+    whenever the engine's logprobs are there.
+    """
+    stats: dict[str, float] = {}
+    mask = batch.action_mask
+    have_rollout = batch.rollout_logprobs is not None and batch.old_logprobs is not None
+    if have_rollout and mask.any():
+        stats.update(
+            {
+                f"rollout_corr/{k}": v
+                for k, v in mismatch_stats(batch.old_logprobs, batch.rollout_logprobs, mask).items()
+            }
+        )
+    weights = None
+    if cfg.rollout_correction != "none":
+        if not have_rollout:
+            raise ValueError(
+                f"algorithm.rollout_correction={cfg.rollout_correction} needs the engines' logprobs of every "
+                "sampled token (rollout_logprobs), and this batch has none: keep the engines returning "
+                "logprobs (sampling logprobs=0) or set algorithm.rollout_correction=none"
+            )
+        weights, cstats = rollout_correction_weights(
+            batch.old_logprobs,
+            batch.rollout_logprobs,
+            mask,
+            batch.cu_seqlens,
+            mode=cfg.rollout_correction,
+            level=cfg.rollout_correction_level,
+            tis_cap=cfg.tis_cap,
+            mis_low=cfg.mis_low,
+            mis_high=cfg.mis_high,
+        )
+        stats.update({f"rollout_corr/{k}": v for k, v in cstats.items()})
+    if cfg.overlong_filter:
+        if weights is None:
+            weights = mask.float()
+        keep = ~truncated.bool()[_sample_of_token(batch)]
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
+        stats["rollout/overlong_filtered"] = float(truncated.float().mean()) if truncated.numel() else 0.0
+    return weights, stats
+
+
+def _sample_of_token(batch: FlatBatch) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(batch.num_samples), batch.seqlens)
+
+
+def advantage_step(samples: list[Sample], cfg: AlgorithmConfig) -> dict[str, float]:
+    """Compute advantages (returns) and loss weights for ``samples`` in place; returns stats."""
     batch = concat(samples)
     adv, returns, stats = compute_advantages(batch, cfg)
     for s, a in zip(samples, unpack(adv, batch.cu_seqlens), strict=True):
@@ -86,4 +117,9 @@ def advantage_step(samples: list[Sample], cfg) -> dict[str, float]:
     if returns is not None:
         for s, r in zip(samples, unpack(returns, batch.cu_seqlens), strict=True):
             s.returns = r.float()
-    return stats
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.bool)
+    weights, wstats = compute_loss_weights(batch, truncated, cfg)
+    if weights is not None:
+        for s, w in zip(samples, unpack(weights, batch.cu_seqlens), strict=True):
+            s.loss_weights = w.float()
+    return {**stats, **wstats}

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlhf.config.schema import GROUP_ESTIMATORS
+from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
 from rlhf.rewards import RewardFunctionError, non_finite_indices, score_with_function
@@ -24,6 +24,21 @@ class RolloutStats:
     empty_responses: int = 0
     truncated: int = 0  # stopped by max_new_tokens / max_model_len
     dropped_non_finite: int = 0
+    overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
+
+    def merge(self, other: RolloutStats) -> RolloutStats:
+        """Counts of two generation rounds of one step (dynamic sampling)."""
+        n = self.num_samples + other.num_samples
+        penalty = (
+            self.overlong_penalty_mean * self.num_samples + other.overlong_penalty_mean * other.num_samples
+        ) / max(n, 1)
+        return RolloutStats(
+            num_samples=n,
+            empty_responses=self.empty_responses + other.empty_responses,
+            truncated=self.truncated + other.truncated,
+            dropped_non_finite=self.dropped_non_finite + other.dropped_non_finite,
+            overlong_penalty_mean=penalty,
+        )
 
 
 def sampling_params(cfg, n: int) -> dict[str, Any]:
@@ -40,20 +55,17 @@ def sampling_params(cfg, n: int) -> dict[str, Any]:
 def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
     """One single-turn completion -> one unpadded Sample (prompt tokens masked out)."""
     p, r = list(prompt.token_ids), list(completion["token_ids"])
-    lp = list(completion.get("logprobs") or [0.0] * len(r))
-    if len(lp) != len(r):
+    lp = completion.get("logprobs")
+    if lp is not None and len(lp) != len(r):
         raise ValueError(f"engine returned {len(lp)} logprobs for {len(r)} tokens")
     return Sample(
         input_ids=torch.tensor(p + r, dtype=torch.long),
         action_mask=torch.tensor([False] * len(p) + [True] * len(r)),
-        rollout_logprobs=torch.tensor([0.0] * len(p) + lp, dtype=torch.float32),
+        # None when the engine was asked for no logprobs: a correction that needs them says so.
+        rollout_logprobs=None if lp is None else torch.tensor([0.0] * len(p) + list(lp), dtype=torch.float32),
         group_id=group_id,
-        info={
-            **prompt.info,
-            "prompt": prompt.text,
-            "prompt_len": len(p),
-            "finish_reason": completion.get("finish_reason"),
-        },
+        finish_reason=completion.get("finish_reason"),
+        info={**prompt.info, "prompt": prompt.text, "prompt_len": len(p)},
     )
 
 
@@ -65,25 +77,27 @@ class _Trajectory:
         n = len(prompt.token_ids)
         self.ids, self.mask, self.lp = list(prompt.token_ids), [False] * n, [0.0] * n
         self.done, self.env_reward, self.finish_reason = False, None, None
+        self.has_logprobs = True
 
     def append(self, ids: list[int], logprobs: list[float] | None, action: bool) -> None:
         self.ids += ids
         self.mask += [action] * len(ids)
         self.lp += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.has_logprobs &= logprobs is not None or not action
 
     def to_sample(self) -> Sample:
         info = {
             **self.prompt.info,
             "prompt": self.prompt.text,
             "prompt_len": len(self.prompt.token_ids),
-            "finish_reason": self.finish_reason,
             "env_reward": self.env_reward,
         }
         return Sample(
             input_ids=torch.tensor(self.ids),
             action_mask=torch.tensor(self.mask),
-            rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32),
+            rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32) if self.has_logprobs else None,
             group_id=self.group_id,
+            finish_reason=self.finish_reason,
             info=info,
         )
 
@@ -115,24 +129,31 @@ class ExperienceMaker:
         self.reward_fn, self.env_factory = reward_fn, env_factory
         self.budget = cfg.train.max_tokens_per_microbatch
 
-    def generate(self, prompts: list[Prompt], step: int) -> tuple[list[Sample], RolloutStats]:
-        """Sample ``rollout.n_samples_per_prompt`` trajectories per prompt."""
+    def generate(
+        self, prompts: list[Prompt], step: int, group_base: int | None = None
+    ) -> tuple[list[Sample], RolloutStats]:
+        """Sample ``rollout.n_samples_per_prompt`` trajectories per prompt.
+
+        The samples of prompt ``i`` get ``group_id = group_base + i`` (default
+        ``step * len(prompts)``); a step with several generation rounds passes distinct bases.
+        """
         n = self.cfg.rollout.n_samples_per_prompt
+        base = step * len(prompts) if group_base is None else group_base
         if self.env_factory is not None:
-            samples = self._generate_multi_turn(prompts, n, step)
+            samples = self._generate_multi_turn(prompts, n, base)
         else:
             outs = self.rollout.generate([p.token_ids for p in prompts], sampling_params(self.cfg.rollout, n))
             samples = [
-                build_sample(p, c, group_id=step * len(prompts) + i)
+                build_sample(p, c, group_id=base + i)
                 for i, (p, comps) in enumerate(zip(prompts, outs, strict=True))
                 for c in comps
             ]
         stats = RolloutStats(num_samples=len(samples))
         stats.empty_responses = sum(s.num_actions == 0 for s in samples)
-        stats.truncated = sum(s.info.get("finish_reason") == "length" for s in samples)
+        stats.truncated = sum(s.finish_reason == "length" for s in samples)
         return samples, stats
 
-    def _generate_multi_turn(self, prompts: list[Prompt], n: int, step: int) -> list[Sample]:
+    def _generate_multi_turn(self, prompts: list[Prompt], n: int, base: int) -> list[Sample]:
         """Alternate policy turns (mask 1) and environment observations (mask 0)."""
         max_len = self.cfg.rollout.max_model_len
         trajs = []
@@ -140,7 +161,7 @@ class ExperienceMaker:
             for _ in range(n):
                 env = self.env_factory()
                 env.reset(p.text, dict(p.info))
-                trajs.append(_Trajectory(p, step * len(prompts) + i, env))
+                trajs.append(_Trajectory(p, base + i, env))
         sampling = sampling_params(self.cfg.rollout, 1)
         for turn in range(self.cfg.env.max_turns):
             last_turn = turn == self.cfg.env.max_turns - 1
@@ -164,7 +185,11 @@ class ExperienceMaker:
         return [t.to_sample() for t in trajs]
 
     def score(self, samples: list[Sample], stats: RolloutStats) -> list[Sample]:
-        """Fill ``score``, ``old_logprobs``, ``ref_logprobs`` and ``values``.
+        """:meth:`assign_rewards` then :meth:`score_models`; returns the samples kept."""
+        return self.score_models(self.assign_rewards(samples, stats))
+
+    def assign_rewards(self, samples: list[Sample], stats: RolloutStats) -> list[Sample]:
+        """Fill ``score``: reward (environment, model or function), clip, overlong shaping.
 
         Returns the samples kept: with ``reward.non_finite=drop`` samples whose score is NaN or
         inf are removed (and counted in ``stats``); with ``error`` such a score fails the step
@@ -179,7 +204,7 @@ class ExperienceMaker:
                     f"reward for sample {i} is {scores[i]} ({len(bad)} of {len(scores)} samples non-finite); "
                     "fix the reward, or set reward.non_finite=drop to drop such samples (they are counted)"
                 )
-            if self.cfg.algorithm.advantage in GROUP_ESTIMATORS:
+            if self.cfg.algorithm.estimator.compares_group:
                 # A group estimator needs the whole group: a partial one can shrink to a single
                 # sample, which has no baseline. Drop the groups of the bad samples.
                 bad_groups = {samples[i].group_id for i in bad}
@@ -192,8 +217,23 @@ class ExperienceMaker:
             scores = [r for i, r in enumerate(scores) if i not in bad]
             stats.dropped_non_finite = len(bad)
         clip = self.cfg.reward.clip
-        for s, r in zip(samples, scores, strict=True):
-            s.score = max(-clip, min(clip, r)) if clip > 0 else r
+        shaping = self._overlong_shaping(samples)
+        for s, r, extra in zip(samples, scores, shaping, strict=True):
+            s.score = (max(-clip, min(clip, r)) if clip > 0 else r) + extra
+        stats.overlong_penalty_mean = sum(shaping) / len(shaping) if shaping else 0.0
+        return samples
+
+    def _overlong_shaping(self, samples: list[Sample]) -> list[float]:
+        """DAPO's overlong penalty per sample (0 when ``algorithm.overlong_buffer_frac=0``)."""
+        max_len = self.cfg.rollout.max_new_tokens
+        buffer = self.cfg.algorithm.overlong_buffer_len(max_len)
+        if buffer == 0 or not samples:
+            return [0.0] * len(samples)
+        lengths = torch.tensor([s.num_actions for s in samples])
+        return overlong_penalty(lengths, max_len, buffer, self.cfg.algorithm.overlong_penalty).tolist()
+
+    def score_models(self, samples: list[Sample]) -> list[Sample]:
+        """Fill ``old_logprobs``, ``ref_logprobs`` and ``values`` with the model groups."""
         # All scoring forwards run at once; logprobs at the sampling temperature, as the engine
         # reported them and as the policy loss computes them.
         t = self.cfg.rollout.temperature

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms.kl import kl_estimator
-from rlhf.algorithms.losses import aggregate_loss, ppo_policy_loss, sft_loss, value_loss
+from rlhf.algorithms.losses import aggregate_loss, sft_loss, value_loss
 from rlhf.algorithms.masking import segment_sum
+from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.data.types import TOKEN_FIELDS, FlatBatch
 
 __all__ = ["Objective", "PolicyObjective", "SFTObjective", "ValueObjective", "dummy_flat_batch"]
@@ -74,8 +75,12 @@ class Objective:
 
     aggregation: str = "token_mean"
 
+    def loss_mask(self, mb: FlatBatch) -> torch.Tensor:
+        """``[T]`` bool: the tokens that carry this objective's loss."""
+        return mb.action_mask.bool()
+
     def loss_weight(self, mb: FlatBatch) -> float:
-        mask = mb.action_mask.bool()
+        mask = self.loss_mask(mb)
         if self.aggregation == "token_mean":
             return float(mask.sum())
         # seq_mean_*: samples without any loss token are excluded from the mean over samples.
@@ -92,20 +97,32 @@ class Objective:
 
 @dataclass
 class PolicyObjective(Objective):
-    """PPO clipped surrogate on the action tokens, optional KL-to-reference loss and entropy bonus.
+    """Clipped policy loss on the action tokens, optional KL-to-reference loss and entropy bonus.
 
-    ``loss = ppo + kl_coef_in_loss * KL(pi || ref) - entropy_coef * H``, each term reduced
-    with ``aggregation``. ``temperature`` must be the rollout sampling temperature, so that
-    the logprobs match ``mb.old_logprobs``. ``dual_clip`` of 0 or None disables dual clip.
+    ``loss = policy_loss + kl_coef_in_loss * KL(pi || ref) - entropy_coef * H``, each term
+    reduced with ``aggregation``; ``policy_loss`` names a row of
+    ``rlhf.algorithms.registry.POLICY_LOSSES`` (``ppo``, ``gspo``). ``temperature`` must be the
+    rollout sampling temperature, so that the logprobs match ``mb.old_logprobs``. ``dual_clip``
+    of 0 or None disables dual clip; ``kl_clamp`` of 0 or None leaves the KL unclamped.
+
+    ``mb.loss_weights`` (rollout correction, overlong filter), when set, multiply the policy
+    term per token, and a token of weight 0 carries no loss at all: it leaves every term and
+    the normaliser (``loss_mask``).
     """
 
+    policy_loss: str = "ppo"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     dual_clip: float | None = None
     kl_coef_in_loss: float = 0.0
     kl_kind: str = "k3"
+    kl_clamp: float | None = None
     entropy_coef: float = 0.0
     temperature: float = 1.0
+
+    def loss_mask(self, mb: FlatBatch) -> torch.Tensor:
+        mask = mb.action_mask.bool()
+        return mask if mb.loss_weights is None else mask & (mb.loss_weights > 0)
 
     def __call__(
         self, model: torch.nn.Module, mb: FlatBatch, loss_scale: float
@@ -119,8 +136,8 @@ class PolicyObjective(Objective):
         logprobs, entropy = packed_logprobs(
             model, mb, temperature=self.temperature, return_entropy=True, entropy_grad=self.entropy_coef != 0
         )
-        mask, cu = mb.action_mask, mb.cu_seqlens
-        policy_loss, stats = ppo_policy_loss(
+        mask, cu = self.loss_mask(mb), mb.cu_seqlens
+        policy_loss, stats = POLICY_LOSSES[self.policy_loss].fn(
             logprobs,
             mb.old_logprobs,
             mb.advantages,
@@ -130,10 +147,13 @@ class PolicyObjective(Objective):
             clip_eps_high=self.clip_eps_high,
             dual_clip=self.dual_clip or None,
             aggregation=self.aggregation,
+            weights=mb.loss_weights,
         )
         loss = policy_loss
         if self.kl_coef_in_loss:
-            kl = kl_estimator(logprobs, mb.ref_logprobs, kind=self.kl_kind, action_mask=mask)
+            kl = kl_estimator(
+                logprobs, mb.ref_logprobs, kind=self.kl_kind, clamp=self.kl_clamp or None, action_mask=mask
+            )
             kl_loss = aggregate_loss(kl, mask, cu, self.aggregation)
             loss = loss + self.kl_coef_in_loss * kl_loss
             stats["kl_loss"] = kl_loss.detach()

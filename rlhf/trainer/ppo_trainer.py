@@ -15,6 +15,7 @@ from rlhf.data.prompts import PromptLoader
 from rlhf.data.types import Sample
 from rlhf.trainer.advantage_step import advantage_step
 from rlhf.trainer.checkpoint import load_latest, save_checkpoint
+from rlhf.trainer.dynamic_sampling import collect_informative_groups
 from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.tracking import Tracker
@@ -58,11 +59,13 @@ class PPOTrainer:
         )
         a = cfg.algorithm
         self.policy_objective = PolicyObjective(
+            policy_loss=a.policy_loss,
             clip_eps_low=a.clip_eps_low,
             clip_eps_high=a.clip_eps_high,
             dual_clip=a.dual_clip or None,
             kl_coef_in_loss=0.0 if a.kl_in_reward or workers.reference is None else a.kl_coef,
             kl_kind=a.kl_kind,
+            kl_clamp=a.kl_clamp or None,
             entropy_coef=a.entropy_coef,
             temperature=cfg.rollout.temperature,
             aggregation=a.loss_aggregation,
@@ -86,31 +89,65 @@ class PPOTrainer:
         )
         try:
             while self.step < t.num_steps:
-                t0 = time.perf_counter()
-                samples, rstats = self.maker.generate(self.loader.next_batch(), self.step)
-                t_gen = time.perf_counter()
-                samples = self.maker.score(samples, rstats)
-                adv_stats = advantage_step(samples, self.cfg.algorithm)
-                train_stats = self.train(samples)
-                self.sync_weights()
+                metrics = self.run_step()
                 self.step += 1
-                elapsed = time.perf_counter() - t0
-                tracker.log(
-                    self.step,
-                    {
-                        **self.rollout_metrics(samples, rstats, t.max_tokens_per_microbatch),
-                        **adv_stats,
-                        **train_stats,
-                        "time/generate_s": t_gen - t0,
-                        "time/step_s": elapsed,
-                        "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed,
-                    },
-                )
+                tracker.log(self.step, metrics)
                 if (t.save_every and self.step % t.save_every == 0) or self.step == t.num_steps:
                     self.save()
         finally:
             tracker.close()
         return tracker.history
+
+    def run_step(self) -> dict[str, float]:
+        """generate (+ rewards) -> score -> advantages -> train -> sync weights; returns metrics."""
+        t0 = time.perf_counter()
+        samples, rstats, extra = self.collect()
+        t_gen = time.perf_counter()
+        metrics = {**extra, "time/generate_s": t_gen - t0}
+        if not samples:
+            # Dynamic sampling found no informative group within its round cap: nothing to learn
+            # from, so no update, and the run goes on (the metrics say so).
+            log.warning("step %d: no group with differing rewards; skipping the update", self.step + 1)
+            metrics["dynamic_sampling/skipped_update"] = 1.0
+            metrics["time/step_s"] = time.perf_counter() - t0
+            return metrics
+        samples = self.maker.score_models(samples)
+        metrics.update(advantage_step(samples, self.cfg.algorithm))
+        metrics.update(self.train(samples))
+        self.sync_weights()
+        elapsed = time.perf_counter() - t0
+        metrics.update(self.rollout_metrics(samples, rstats, self.cfg.train.max_tokens_per_microbatch))
+        metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed})
+        return metrics
+
+    def collect(self) -> tuple[list[Sample], RolloutStats, dict[str, float]]:
+        """The step's rewarded samples: one batch of prompts, or with ``algorithm.dynamic_sampling``
+        as many rounds as it takes to hold ``train.rollout_batch_size`` informative groups."""
+        a, batch_size = self.cfg.algorithm, self.cfg.train.rollout_batch_size
+        total = RolloutStats()
+
+        def one_round(r: int) -> list[Sample]:
+            nonlocal total
+            # Distinct group ids per round: groups of different rounds must never merge.
+            base = (self.step * a.dynamic_sampling_max_rounds + r) * batch_size
+            samples, rstats = self.maker.generate(self.loader.next_batch(), self.step, group_base=base)
+            samples = self.maker.assign_rewards(samples, rstats)
+            total = total.merge(rstats)
+            return samples
+
+        if not a.dynamic_sampling:
+            return one_round(0), total, {}
+        samples, ds = collect_informative_groups(one_round, batch_size, a.dynamic_sampling_max_rounds)
+        if ds.shortfall:
+            log.warning(
+                "step %d: %d of %d groups informative after %d rounds (algorithm.dynamic_sampling_max_rounds); "
+                "training on what there is",
+                self.step + 1,
+                ds.groups_kept,
+                batch_size,
+                ds.rounds,
+            )
+        return samples, total, ds.metrics()
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """PPO epochs over packed micro-batches for the actor (and the critic for GAE)."""
@@ -150,6 +187,7 @@ class PPOTrainer:
             "rollout/empty_responses": rstats.empty_responses,
             "rollout/truncated": rstats.truncated,
             "rollout/dropped_non_finite": rstats.dropped_non_finite,
+            "reward/overlong_penalty_mean": rstats.overlong_penalty_mean,
             # Multi-turn: tokens the environment inserted after the policy's first turn.
             "rollout/observation_tokens_mean": sum(len(s) - s.response_start - s.num_actions for s in samples)
             / len(samples),

@@ -69,3 +69,15 @@ def test_masked_gradient_is_finite():
 def test_unknown_kind():
     with pytest.raises(ValueError, match="k4"):
         kl_estimator(torch.zeros(2), torch.zeros(2), "k4")  # type: ignore[arg-type]
+
+
+def test_kl_clamp_bounds_one_wild_token_and_keeps_gradients_finite():
+    # log-ratio -15 gives k3 = e^15 - 1 - 15 = 3.3e6 unclamped: one token would swamp everything.
+    lp = torch.tensor([-1.0, -16.0, -200.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0, -1.0])
+    raw = kl_estimator(lp, ref, "k3")
+    assert raw[1].item() > 3e6
+    kl = kl_estimator(lp, ref, "k3", clamp=10.0)
+    assert kl.tolist() == [0.0, 10.0, 10.0]
+    kl.sum().backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[1:].tolist() == [0.0, 0.0]

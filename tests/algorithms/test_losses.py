@@ -10,6 +10,7 @@ from torch.testing import assert_close
 from rlhf.algorithms import (
     aggregate_loss,
     dpo_loss,
+    gspo_policy_loss,
     pairwise_rm_loss,
     ppo_policy_loss,
     sft_loss,
@@ -250,3 +251,90 @@ def test_pairwise_rm_loss_hand_formula():
         for c, r, m in zip(chosen.tolist(), rejected.tolist(), margin.tolist(), strict=True)
     )
     assert_close(pairwise_rm_loss(chosen, rejected, margin), torch.tensor(ref_m))
+
+
+# -- per-token weights (rollout correction) and GSPO ----------------------------------------
+
+
+@given(packed_batches(), st.sampled_from(AGGREGATIONS))
+@FAST
+def test_ppo_weights_multiply_each_token_loss(batch, aggregation):
+    lp, old, adv = ppo_inputs(batch)
+    w = batch.randn(3, poison=float("nan")).abs()
+    loss, _ = ppo_policy_loss(
+        lp, old, adv, batch.action_mask, batch.cu_seqlens, 0.2, 0.2, aggregation=aggregation, weights=w
+    )
+    per_token, *_ = ref_ppo(batch, lp.tolist(), old.tolist(), adv.tolist(), 0.2, 0.2, None)
+    weighted = {t: v * w[t].item() for t, v in per_token.items()}
+    assert_close(loss, torch.tensor(ref_aggregate(batch, weighted, aggregation), dtype=torch.float64))
+
+
+def ref_gspo(batch, lp, old, adv, low, high, weights=None):
+    """Loop reference: one ratio per sample, exp(mean log-ratio over its action tokens)."""
+    per_token, clipped = {}, []
+    for idx in batch.action_indices():
+        if not idx:
+            continue
+        s = math.exp(statistics.fmean(lp[t] - old[t] for t in idx))
+        for t in idx:
+            l1, l2 = -adv[t] * s, -adv[t] * min(max(s, 1 - low), 1 + high)
+            per_token[t] = max(l1, l2) * (1.0 if weights is None else weights[t])
+            clipped.append(l2 > l1)
+    return per_token, statistics.fmean(clipped)
+
+
+@given(packed_batches(), st.sampled_from(AGGREGATIONS), st.floats(1e-4, 0.3), st.floats(1e-4, 0.3))
+@FAST
+def test_gspo_loss_matches_loop_reference(batch, aggregation, low, high):
+    lp, old, adv = ppo_inputs(batch, spread=0.05)
+    loss, stats = gspo_policy_loss(
+        lp, old, adv, batch.action_mask, batch.cu_seqlens, low, high, aggregation=aggregation
+    )
+    per_token, clip_frac = ref_gspo(batch, lp.tolist(), old.tolist(), adv.tolist(), low, high)
+    assert_close(loss, torch.tensor(ref_aggregate(batch, per_token, aggregation), dtype=torch.float64))
+    assert_close(stats["clip_fraction"], torch.tensor(clip_frac, dtype=torch.float64))
+
+
+def test_gspo_gradient_equals_sequence_objective_gradient():
+    # Multi-turn masks: the sequence ratio spans every action token of a sample, not one turn.
+    batch = fixed_batch()
+    lp, old, _ = ppo_inputs(batch, spread=0.02)
+    g = torch.Generator().manual_seed(7)
+    seq_adv = torch.randn(batch.num_samples, generator=g, dtype=torch.float64)
+    ids = torch.repeat_interleave(torch.arange(batch.num_samples), torch.tensor(batch.lengths))
+    adv = torch.where(batch.action_mask, seq_adv[ids], torch.tensor(float("inf"), dtype=torch.float64))
+    lp.requires_grad_(True)
+    loss, _ = gspo_policy_loss(
+        lp, old, adv, batch.action_mask, batch.cu_seqlens, 0.01, 0.01, aggregation="seq_mean_token_mean"
+    )
+    loss.backward()
+    assert (lp.grad[~batch.action_mask] == 0).all()
+    # GSPO's sequence objective, differentiated directly (no stop-gradient construction).
+    leaves = {
+        t: torch.tensor(lp[t].item(), dtype=torch.float64, requires_grad=True)
+        for idx in batch.action_indices()
+        for t in idx
+    }
+    terms = []
+    for i, idx in enumerate(batch.action_indices()):
+        s = torch.exp(sum(leaves[t] - old[t].item() for t in idx) / len(idx))
+        a = seq_adv[i].item()
+        terms.append(torch.maximum(-a * s, -a * s.clamp(0.99, 1.01)))
+    ref = sum(terms) / len(terms)
+    ref.backward()
+    assert_close(loss.detach(), ref.detach())
+    for t, x in leaves.items():
+        assert_close(lp.grad[t], x.grad)
+    # One sample inside the clip range and one outside, so both branches are checked.
+    ratios = [
+        math.exp(statistics.fmean(lp[t].item() - old[t].item() for t in idx))
+        for idx in batch.action_indices()
+    ]
+    assert sorted({abs(r - 1) > 0.01 for r in ratios}) == [False, True]
+
+
+def test_gspo_refuses_dual_clip():
+    batch = fixed_batch()
+    lp, old, adv = ppo_inputs(batch)
+    with pytest.raises(ValueError, match="dual_clip"):
+        gspo_policy_loss(lp, old, adv, batch.action_mask, batch.cu_seqlens, dual_clip=3.0)

@@ -26,6 +26,21 @@ def test_every_algorithm_group_composes(algo):
     assert compose("ppo", [f"algorithm={algo}"]).algorithm.advantage == algo
 
 
+def test_dapo_and_gspo_presets_carry_the_papers_defaults():
+    dapo = compose("ppo", ["algorithm=dapo"]).algorithm
+    assert (dapo.advantage, dapo.policy_loss, dapo.clip_eps_low, dapo.clip_eps_high) == (
+        "grpo",
+        "ppo",
+        0.2,
+        0.28,
+    )
+    assert dapo.dynamic_sampling and dapo.loss_aggregation == "token_mean" and dapo.kl_coef == 0
+    assert dapo.overlong_buffer_len(20480) == 4096
+    gspo = compose("ppo", ["algorithm=gspo"]).algorithm
+    assert (gspo.policy_loss, gspo.clip_eps_low, gspo.clip_eps_high) == ("gspo", 3e-4, 4e-4)
+    assert gspo.loss_aggregation == "seq_mean_token_mean"
+
+
 def test_unknown_key_fails_at_compose():
     with pytest.raises(ConfigCompositionException, match="algorithm.no_such_key"):
         compose("ppo", ["algorithm.no_such_key=1"])
@@ -47,6 +62,17 @@ def test_ill_typed_value_fails_at_compose():
         (["reward.type=model"], "reward.model_path"),
         (["train.max_tokens_per_microbatch=64"], "train.max_tokens_per_microbatch"),
         (["cluster.device=tpu"], "cluster.device"),
+        (["algorithm.policy_loss=trpo"], "algorithm.policy_loss"),
+        (["algorithm.rollout_correction=is"], "algorithm.rollout_correction"),
+        (["algorithm.rollout_correction_level=turn"], "algorithm.rollout_correction_level"),
+        (["algorithm.tis_cap=0.5"], "algorithm.tis_cap"),
+        (["algorithm.mis_low=1.5"], "algorithm.mis_low"),
+        (["algorithm.kl_clamp=-1"], "algorithm.kl_clamp"),
+        (["algorithm.dynamic_sampling_max_rounds=0"], "algorithm.dynamic_sampling_max_rounds"),
+        (["algorithm=dapo", "rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt"),
+        (["algorithm.overlong_buffer_frac=1.5"], "algorithm.overlong_buffer_frac"),
+        (["algorithm.overlong_buffer_frac=1.0"], "algorithm.overlong_buffer_frac"),
+        (["algorithm=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
     ],
 )
 def test_semantic_errors_name_the_field(overrides, field):

@@ -1,5 +1,7 @@
 """The advantage step against independent loop references on small batches."""
 
+import math
+
 import pytest
 import torch
 
@@ -115,3 +117,76 @@ def test_empty_response_sample_does_not_poison_the_batch():
         advantage_step(samples, AlgorithmConfig(advantage=kind))
         assert torch.isfinite(torch.cat([s.advantages for s in samples])).all()
         assert (empty.advantages == 0).all()
+
+
+def _with_rollout(samples, spread=0.5, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    for s in samples:
+        s.rollout_logprobs = torch.where(
+            s.action_mask, s.old_logprobs + spread * torch.randn(len(s), generator=g), torch.zeros(len(s))
+        )
+    return samples
+
+
+def test_tis_loss_weights_match_token_loop_and_report_mismatch():
+    samples = _with_rollout(_samples())
+    cfg = AlgorithmConfig(advantage="grpo", rollout_correction="tis", tis_cap=1.5)
+    stats = advantage_step(samples, cfg)
+    hits, k1 = [], []
+    for s in samples:
+        for t in range(len(s)):
+            if not s.action_mask[t]:
+                assert s.loss_weights[t] == 0
+                continue
+            log_rho = float(s.old_logprobs[t] - s.rollout_logprobs[t])
+            assert float(s.loss_weights[t]) == pytest.approx(min(math.exp(log_rho), 1.5), rel=1e-5)
+            hits.append(math.exp(log_rho) > 1.5)
+            k1.append(-log_rho)
+    assert 0 < stats["rollout_corr/truncated_fraction"] == pytest.approx(sum(hits) / len(hits))
+    assert stats["rollout_corr/kl_k1"] == pytest.approx(sum(k1) / len(k1), rel=1e-4)
+
+
+def test_rollout_correction_without_engine_logprobs_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"algorithm.rollout_correction=mis needs the engines' logprobs"):
+        advantage_step(_samples(), AlgorithmConfig(advantage="grpo", rollout_correction="mis"))
+
+
+def test_overlong_filter_zeroes_truncated_samples_only():
+    samples = _samples()
+    for i, s in enumerate(samples):
+        s.finish_reason = "length" if i % 2 else "stop"
+    stats = advantage_step(samples, AlgorithmConfig(advantage="grpo", overlong_filter=True))
+    for i, s in enumerate(samples):
+        expected = torch.zeros(len(s)) if i % 2 else s.action_mask.float()
+        assert torch.equal(s.loss_weights, expected)
+    assert stats["rollout/overlong_filtered"] == pytest.approx(0.5)
+
+
+def test_no_loss_weights_unless_asked():
+    samples = _with_rollout(_samples())
+    stats = advantage_step(samples, AlgorithmConfig(advantage="grpo"))
+    assert all(s.loss_weights is None for s in samples)
+    assert stats["rollout_corr/kl_k3"] > 0  # the mismatch is still measured
+
+
+def test_kl_clamp_in_the_step():
+    samples = _samples()
+    samples[0].old_logprobs[4] = -30.0  # one wild token: unclamped k3 would be ~e^29
+    advantage_step(
+        samples,
+        AlgorithmConfig(
+            advantage="grpo", kl_kind="k3", kl_coef=0.1, kl_clamp=10.0, normalize_advantages=False
+        ),
+    )
+
+    def k3(s, t):
+        lr = max(-20.0, min(20.0, float(s.old_logprobs[t] - s.ref_logprobs[t])))
+        return min(10.0, math.exp(-lr) - 1 + lr)
+
+    pen = {id(x): x.score - 0.1 * sum(k3(x, t) for t in range(len(x)) if x.action_mask[t]) for x in samples}
+    for s in samples:
+        group = [pen[id(x)] for x in samples if x.group_id == s.group_id]
+        mean = sum(group) / len(group)
+        std = (sum((v - mean) ** 2 for v in group) / (len(group) - 1)) ** 0.5
+        expected = (pen[id(s)] - mean) / (std + 1e-6)
+        assert float(s.advantages[s.action_mask][0]) == pytest.approx(expected, abs=1e-4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -230,3 +232,54 @@ def test_missing_fields_are_named(lm) -> None:
         PolicyObjective()(model, mb, 1.0)
     with pytest.raises(ValueError, match="returns"):
         ValueObjective()(model, mb, 1.0)
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_loss_weights_reweight_and_drop_tokens(lm, policy_loss: str) -> None:
+    """Weights multiply the policy term; a zero-weight token leaves every term and the normaliser."""
+    from rlhf.algorithms.registry import POLICY_LOSSES
+
+    model, ref = lm
+    samples = _samples(model.config.vocab_size)
+    g = torch.Generator().manual_seed(1)
+    for i, s in enumerate(samples):
+        w = torch.rand(len(s), generator=g) * 2 * s.action_mask
+        if i == 1:
+            w[:] = 0.0  # e.g. a truncated sample under the overlong filter
+        w[-1] = 0.0  # e.g. a token rejected by MIS
+        s.loss_weights = w
+    mb = concat(samples)
+    obj = PolicyObjective(
+        policy_loss=policy_loss, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef_in_loss=0.1, entropy_coef=0.01
+    )
+    with torch.no_grad():
+        loss, stats = obj(model, mb, 1.0)
+        per = [_ref_logprobs(ref, s) for s in samples]
+    lp, ent = _flat([p[0] for p in per]), _flat([p[1] for p in per])
+    keep = mb.action_mask & (mb.loss_weights > 0)
+    cu = mb.cu_seqlens
+    exp_pol, _ = POLICY_LOSSES[policy_loss].fn(
+        lp,
+        mb.old_logprobs,
+        mb.advantages,
+        keep,
+        cu,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip=None,
+        aggregation="token_mean",
+        weights=mb.loss_weights,
+    )
+    exp_kl = aggregate_loss(kl_estimator(lp, mb.ref_logprobs, "k3", action_mask=keep), keep, cu)
+    exp_ent = aggregate_loss(ent, keep, cu)
+    torch.testing.assert_close(loss, exp_pol + 0.1 * exp_kl - 0.01 * exp_ent, atol=1e-5, rtol=1e-5)
+    # token_mean normaliser: only the kept tokens count
+    assert obj.loss_weight(mb) == float(keep.sum()) < float(mb.action_mask.sum())
+    # a per-token loop for the policy term under ppo: weight * clipped surrogate, mean over kept tokens
+    if policy_loss == "ppo":
+        terms = []
+        for t in torch.nonzero(keep).flatten().tolist():
+            r = math.exp(lp[t] - mb.old_logprobs[t])
+            a = float(mb.advantages[t])
+            terms.append(float(mb.loss_weights[t]) * max(-a * r, -a * min(max(r, 0.8), 1.28)))
+        assert float(stats["policy_loss"]) == pytest.approx(sum(terms) / len(terms), rel=1e-4, abs=1e-6)
