@@ -208,8 +208,8 @@ def gspo_policy_loss(
     ids = segment_ids(cu_seqlens.to(mask.device), mask.shape[0])
     # Value s_i on every token, gradient of log pi_t: the GSPO-token construction.
     token_log_s = _select(logprobs - logprobs.detach(), mask) + seq_log_ratio.detach()[ids]
-    # Same overflow guard as the token ratio: such sequences are clipped anyway.
-    s = torch.exp(token_log_s.clamp(max=20.0))
+    # Overflow guard at verl's bound (e^10 ~ 2e4, far outside any clip range).
+    s = torch.exp(token_log_s.clamp(max=10.0))
     unclipped = -adv * s
     clipped = -adv * s.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = torch.maximum(unclipped, clipped)
