@@ -34,8 +34,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from rlhf.envvars import CLUSTER_ENV  # noqa: E402
+
+# Before transformers is imported: it reads these once.
+for _k in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"):
+    os.environ.setdefault(_k, CLUSTER_ENV[_k])
 
 import torch  # noqa: E402
 

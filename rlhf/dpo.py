@@ -17,28 +17,17 @@ register_configs()
 log = logging.getLogger("rlhf")
 
 
-def load_pairs(cfg, tokenizer):
-    """``(train, eval)`` (chosen, rejected) pairs from ``data.path``; a malformed row raises ``DataRowError``."""
-    from rlhf.data.chat import load_preferences
-    from rlhf.trainer.sft_trainer import split_eval
-
-    d = cfg.data
-    pairs, skipped = load_preferences(d.path, tokenizer, d.max_len, d.overlong, d.num_toy, d.seed)
-    if skipped:
-        log.warning("skipped %d pairs longer than data.max_len=%d", skipped, d.max_len)
-    return split_eval(pairs, d.eval_size, d.seed)
-
-
 def run(cfg) -> list[dict]:
     """Train from a validated ``DPOConfig``; the policy lands in ``<train.output_dir>/final``. Returns metrics."""
     from transformers import AutoTokenizer
 
+    from rlhf.data.chat import load_pairs
     from rlhf.trainer.dpo_trainer import DPOTrainer, fill_reference
-    from rlhf.trainer.setup import init_ray, prepare_model_dir
-    from rlhf.trainer.sft_trainer import count_steps, model_group
+    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir
+    from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
-    train, held_out = load_pairs(cfg, AutoTokenizer.from_pretrained(model_dir))
+    train, held_out = load_pairs(cfg.data, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
     budget = cfg.train.max_tokens_per_microbatch
     # The reference is only needed once: score everything, then give its resources to the policy.

@@ -14,8 +14,10 @@ import sys
 
 import ray
 
-# Names from launch/runtime_env.yaml whose values the probe echoes back.
-_ENV_KEYS = ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", "VLLM_ENABLE_V1_MULTIPROCESSING")
+from rlhf.envvars import CLUSTER_ENV
+
+# The names launch/runtime_env.yaml sets, whose values the probe echoes back.
+_ENV_KEYS = tuple(CLUSTER_ENV)
 
 
 @ray.remote(num_cpus=1)

@@ -21,13 +21,13 @@ def run(cfg) -> list[dict]:
     """Train from a validated ``RMConfig``; returns the metric history."""
     from transformers import AutoTokenizer
 
-    from rlhf.dpo import load_pairs
+    from rlhf.data.chat import load_pairs
     from rlhf.trainer.rm_trainer import RMTrainer
-    from rlhf.trainer.setup import init_ray, prepare_model_dir
-    from rlhf.trainer.sft_trainer import count_steps, model_group
+    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir
+    from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
-    train, held_out = load_pairs(cfg, AutoTokenizer.from_pretrained(model_dir))
+    train, held_out = load_pairs(cfg.data, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
     steps = count_steps(len(train), cfg.train)
     # A reward group with lr > 0 trains (train.lr > 0 is validated); from the causal-LM dir it

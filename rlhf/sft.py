@@ -19,8 +19,7 @@ log = logging.getLogger("rlhf")
 
 def load_data(cfg, tokenizer):
     """``(train, eval)`` samples from ``data.path``; a malformed row raises ``DataRowError`` naming it."""
-    from rlhf.data.chat import load_sft
-    from rlhf.trainer.sft_trainer import split_eval
+    from rlhf.data.chat import load_sft, split_eval
 
     d = cfg.data
     samples, skipped = load_sft(d.path, tokenizer, d.max_len, d.overlong, d.num_toy, d.seed)
@@ -33,8 +32,9 @@ def run(cfg) -> list[dict]:
     """Train from a validated ``SFTConfig``; the model lands in ``<train.output_dir>/final``. Returns metrics."""
     from transformers import AutoTokenizer
 
-    from rlhf.trainer.setup import init_ray, prepare_model_dir
-    from rlhf.trainer.sft_trainer import SFTTrainer, count_steps, model_group
+    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir
+    from rlhf.trainer.sft_trainer import SFTTrainer
+    from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
     train, held_out = load_data(cfg, AutoTokenizer.from_pretrained(model_dir))

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.envvars import CLUSTER_ENV, cpu_env
+
 # Set at import, not in a fixture: huggingface_hub and tokenizers read these when first
 # imported, which happens while test modules are collected, before any fixture runs.
-TEST_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+TEST_ENV = {k: CLUSTER_ENV[k] for k in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM")}
 os.environ.update(TEST_ENV)
 
 
@@ -44,11 +46,9 @@ def ray_session():
     Ray it did not start.
     """
     ray = pytest.importorskip("ray")
-    from rlhf.trainer.setup import CPU_ENV
-
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": CPU_ENV})
+        ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": cpu_env()})
     yield ray
     if started:
         ray.shutdown()
@@ -60,3 +60,13 @@ def tok(tiny_llama_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that starts Ray (and with it DeepSpeed ranks or vLLM engines) must be marked
+    ``e2e``, so that ``-m "not e2e"`` stays the fast loop the README promises."""
+    unmarked = [
+        i.nodeid for i in items if "ray_session" in i.fixturenames and i.get_closest_marker("e2e") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("tests that start Ray must carry @pytest.mark.e2e: " + ", ".join(unmarked))

@@ -213,7 +213,42 @@ class AlgorithmConfig:
 
 
 @dataclass
-class TrainConfig:
+class DeepSpeedConfig:
+    """The ``train.*`` DeepSpeed fields every trainer shares (PPO, SFT, DPO, RM); the run
+    assembly (``rlhf.trainer.setup.deepspeed_settings``) hands them to each model group as
+    ``rlhf.workers.deepspeed_worker.DeepSpeedSettings``, a subclass of this one."""
+
+    zero_stage: int = 2
+    bf16: bool = False
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # 0 = no clipping
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    gradient_checkpointing: bool = False  # recompute activations in backward (long rows on GPU)
+    offload_optimizer: bool = False  # ZeRO >= 1: optimizer state in CPU memory (GPU runs)
+    offload_param: bool = False  # ZeRO-3: parameters in CPU memory (GPU runs)
+    zero3_init: bool = True  # ZeRO-3: build the model partitioned (deepspeed.zero.Init)
+
+    def __post_init__(self) -> None:
+        _check(self.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3")
+        _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)")
+        _check(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+        _check(
+            not self.offload_optimizer or self.zero_stage >= 1,
+            "train.offload_optimizer needs train.zero_stage >= 1",
+        )
+        _check(not self.offload_param or self.zero_stage == 3, "train.offload_param needs train.zero_stage=3")
+
+
+def check_offload_device(train: DeepSpeedConfig, cluster: ClusterConfig) -> None:
+    """Offload moves state from GPU memory to CPU memory: on a CPU run it would do nothing."""
+    _check(
+        cluster.device == "cuda" or not (train.offload_optimizer or train.offload_param),
+        "train.offload_optimizer/offload_param move state off the GPU; with cluster.device=cpu set them to false",
+    )
+
+
+@dataclass
+class TrainConfig(DeepSpeedConfig):
     num_steps: int = 20
     rollout_batch_size: int = 8  # prompts per step (x n_samples_per_prompt samples)
     ppo_epochs: int = 1
@@ -221,12 +256,6 @@ class TrainConfig:
     max_tokens_per_microbatch: int = 2048
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    zero_stage: int = 2
-    bf16: bool = False
-    gradient_checkpointing: bool = False  # recompute activations in backward (long rows on GPU)
     seed: int = 0
     save_every: int = 0  # 0 = only at the end
     output_dir: str = "runs/ppo"
@@ -235,7 +264,7 @@ class TrainConfig:
     wandb_project: str = ""  # "" = wandb off
 
     def __post_init__(self) -> None:
-        _check(self.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3")
+        super().__post_init__()
         _check(self.num_steps >= 1, "train.num_steps must be >= 1")
         _check(self.rollout_batch_size >= 1, "train.rollout_batch_size must be >= 1")
         _check(self.max_tokens_per_microbatch >= 16, "train.max_tokens_per_microbatch must be >= 16")
@@ -276,6 +305,7 @@ class PPOConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        check_offload_device(self.train, self.cluster)
         a = self.algorithm
         if a.estimator.compares_group:
             _check(

@@ -11,7 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf.config import register_schema
-from rlhf.config.schema import AGGREGATIONS, ClusterConfig, ModelConfig, _check, _one_of
+from rlhf.config.schema import (
+    AGGREGATIONS,
+    ClusterConfig,
+    DeepSpeedConfig,
+    ModelConfig,
+    _check,
+    _one_of,
+    check_offload_device,
+)
 
 
 @dataclass
@@ -33,19 +41,14 @@ class ChatDataConfig:
 
 
 @dataclass
-class SupervisedTrainConfig:
+class SupervisedTrainConfig(DeepSpeedConfig):
     epochs: int = 1
     max_steps: int = 0  # cap on optimizer steps; 0 = run every epoch to the end
     batch_size: int = 16  # samples (SFT) or pairs (DPO/RM) per optimizer step
     max_tokens_per_microbatch: int = 1024  # packing budget of one micro-batch row
     lr: float = 1e-4
-    lr_schedule: str = "constant"  # constant | cosine (to 0 at the last step)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    zero_stage: int = 2
-    bf16: bool = False
-    gradient_checkpointing: bool = False  # recompute activations in backward (long rows on GPU)
+    lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.0
     seed: int = 0
     output_dir: str = "runs/sft"  # the trained model lands in <output_dir>/final
     save_every: int = 0  # checkpoint every N optimizer steps (0 = only the final model)
@@ -54,15 +57,14 @@ class SupervisedTrainConfig:
     wandb_project: str = ""  # "" = wandb off
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(self.epochs >= 1, f"train.epochs must be >= 1, got {self.epochs}")
         _check(self.max_steps >= 0, f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
         _check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
         _check(self.max_tokens_per_microbatch >= 16, "train.max_tokens_per_microbatch must be >= 16")
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _one_of("train.lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _check(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
-        _check(self.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)")
-        _check(self.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3")
+        _check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(bool(self.output_dir), "train.output_dir must not be empty")
         _check(self.save_every >= 0, "train.save_every must be >= 0 (0 = only the final model)")
 
@@ -108,6 +110,7 @@ class SFTConfig:
 
     def __post_init__(self) -> None:
         _check_fits(self.data.max_len, self.train.max_tokens_per_microbatch, 1)
+        check_offload_device(self.train, self.cluster)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class DPOConfig:
 
     def __post_init__(self) -> None:
         _check_fits(self.data.max_len, self.train.max_tokens_per_microbatch, 2)
+        check_offload_device(self.train, self.cluster)
 
 
 @dataclass
@@ -131,6 +135,7 @@ class RMConfig:
 
     def __post_init__(self) -> None:
         _check_fits(self.data.max_len, self.train.max_tokens_per_microbatch, 2)
+        check_offload_device(self.train, self.cluster)
 
 
 register_schema("sft_schema", SFTConfig)

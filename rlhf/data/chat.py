@@ -11,12 +11,17 @@ dropped silently.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlhf.data.types import Sample
+
+log = logging.getLogger("rlhf")
 
 
 class DataRowError(ValueError):
@@ -193,3 +198,30 @@ def load_preferences(
     if not pairs:
         raise DataRowError(f"{path}: no usable rows")
     return pairs, skipped
+
+
+def split_eval(units: Sequence[Any], eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:
+    """``(train, eval)``: ``eval_size`` units drawn at random (seeded), the rest for training."""
+    if eval_size >= len(units):
+        raise ValueError(
+            f"data.eval_size={eval_size} leaves nothing to train on: the data has only "
+            f"{len(units)} rows; lower data.eval_size"
+        )
+    order = list(range(len(units)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:eval_size])
+    return [u for i, u in enumerate(units) if i not in held], [units[i] for i in sorted(held)]
+
+
+def load_pairs(data, tokenizer) -> tuple[list, list]:
+    """``(train, eval)`` (chosen, rejected) pairs for DPO and RM training from a ``ChatDataConfig``.
+
+    A malformed row raises ``DataRowError``; pairs longer than ``data.max_len`` raise or, with
+    ``data.overlong=skip``, are dropped and counted in the log.
+    """
+    pairs, skipped = load_preferences(
+        data.path, tokenizer, data.max_len, data.overlong, data.num_toy, data.seed
+    )
+    if skipped:
+        log.warning("skipped %d pairs longer than data.max_len=%d", skipped, data.max_len)
+    return split_eval(pairs, data.eval_size, data.seed)

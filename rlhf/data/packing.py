@@ -160,6 +160,39 @@ def balance_bins(batches: list[FlatBatch], world_size: int) -> list[list[FlatBat
     return [x + [None] * (slots - len(x)) for x in per_rank]
 
 
+def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges, sizes differing by at most one; empty shards are kept."""
+    base, extra = divmod(num_items, num_shards)
+    bounds, start = [], 0
+    for k in range(num_shards):
+        end = start + base + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def dummy_flat_batch(num_samples: int = 1, device: torch.device | str = "cpu") -> FlatBatch:
+    """``num_samples`` samples of 2 tokens (token id 0), the second one an action, all fields 0.
+
+    Only ever run with ``loss_scale = 0``; it exists so that a rank short of micro-batches
+    still runs the forward/backward collectives (ZeRO-3 gathers, ZeRO-2 reductions).
+    """
+    n = 2 * num_samples
+    mask = torch.zeros(n, dtype=torch.bool, device=device)
+    mask[1::2] = True
+    kw = {name: torch.zeros(n, dtype=torch.float32, device=device) for name in TOKEN_FIELDS}
+    return FlatBatch(
+        input_ids=torch.zeros(n, dtype=torch.long, device=device),
+        position_ids=torch.arange(2, device=device).repeat(num_samples),
+        cu_seqlens=torch.arange(0, n + 1, 2, dtype=torch.int32, device=device),
+        action_mask=mask,
+        scores=torch.zeros(num_samples, device=device),
+        group_ids=torch.zeros(num_samples, dtype=torch.long, device=device),
+        sample_index=torch.full((num_samples,), -1, dtype=torch.long, device=device),
+        **kw,
+    )
+
+
 def unpack(flat: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
     """Split a flat [T, ...] tensor back into per-sample tensors using ``cu_seqlens``."""
     if flat.dim() >= 2 and flat.shape[0] == 1 and int(cu_seqlens[-1]) != 1:

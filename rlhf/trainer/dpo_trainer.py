@@ -15,7 +15,7 @@ import torch
 from rlhf.algorithms.losses import dpo_loss
 from rlhf.data.types import Sample
 from rlhf.trainer.pref_objectives import DPOObjective
-from rlhf.trainer.sft_trainer import SupervisedTrainer
+from rlhf.trainer.supervised import SupervisedTrainer
 
 __all__ = ["DPOTrainer", "fill_reference", "pair_logprob_sums"]
 

@@ -31,33 +31,11 @@ from rlhf.algorithms.kl import kl_estimator
 from rlhf.algorithms.losses import aggregate_loss, sft_loss, value_loss
 from rlhf.algorithms.masking import segment_sum
 from rlhf.algorithms.registry import POLICY_LOSSES
-from rlhf.data.types import TOKEN_FIELDS, FlatBatch
+from rlhf.data.packing import dummy_flat_batch
+from rlhf.data.types import FlatBatch
+from rlhf.models.objective import Stats
 
-__all__ = ["Objective", "PolicyObjective", "SFTObjective", "ValueObjective", "dummy_flat_batch"]
-
-Stats = dict[str, torch.Tensor]
-
-
-def dummy_flat_batch(num_samples: int = 1, device: torch.device | str = "cpu") -> FlatBatch:
-    """``num_samples`` samples of 2 tokens (token id 0), the second one an action, all fields 0.
-
-    Only ever run with ``loss_scale = 0``; it exists so that a rank short of micro-batches
-    still runs the forward/backward collectives (ZeRO-3 gathers, ZeRO-2 reductions).
-    """
-    n = 2 * num_samples
-    mask = torch.zeros(n, dtype=torch.bool, device=device)
-    mask[1::2] = True
-    kw = {name: torch.zeros(n, dtype=torch.float32, device=device) for name in TOKEN_FIELDS}
-    return FlatBatch(
-        input_ids=torch.zeros(n, dtype=torch.long, device=device),
-        position_ids=torch.arange(2, device=device).repeat(num_samples),
-        cu_seqlens=torch.arange(0, n + 1, 2, dtype=torch.int32, device=device),
-        action_mask=mask,
-        scores=torch.zeros(num_samples, device=device),
-        group_ids=torch.zeros(num_samples, dtype=torch.long, device=device),
-        sample_index=torch.full((num_samples,), -1, dtype=torch.long, device=device),
-        **kw,
-    )
+__all__ = ["Objective", "PolicyObjective", "SFTObjective", "ValueObjective"]
 
 
 def _require(mb: FlatBatch, objective: str, *names: str) -> None:

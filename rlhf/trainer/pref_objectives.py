@@ -19,8 +19,10 @@ import torch
 
 from rlhf.algorithms.losses import dpo_loss, pairwise_rm_loss
 from rlhf.algorithms.masking import segment_sum
+from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
-from rlhf.trainer.objectives import Objective, Stats, dummy_flat_batch
+from rlhf.models.objective import Stats
+from rlhf.trainer.objectives import Objective
 
 __all__ = ["DPOObjective", "PairObjective", "RMObjective", "pair_layout", "sequence_logprob_sums"]
 

@@ -17,7 +17,7 @@ import torch
 from rlhf.algorithms.losses import pairwise_rm_loss
 from rlhf.data.types import Sample
 from rlhf.trainer.pref_objectives import RMObjective
-from rlhf.trainer.sft_trainer import SupervisedTrainer
+from rlhf.trainer.supervised import SupervisedTrainer
 
 __all__ = ["RMTrainer"]
 

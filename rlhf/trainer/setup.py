@@ -9,20 +9,18 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rlhf.config.schema import DeepSpeedConfig
+from rlhf.envvars import cpu_env
+
+if TYPE_CHECKING:
+    from rlhf.workers.deepspeed_worker import DeepSpeedSettings
 
 log = logging.getLogger("rlhf")
-
-# Env every worker process needs on CPU; harmless on GPU.
-CPU_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "DS_ACCELERATOR": "cpu",
-}
 
 
 def init_ray(cluster) -> None:
@@ -39,11 +37,7 @@ def init_ray(cluster) -> None:
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         ray.init(address=cluster.address or "auto")
         return
-    env = (
-        dict(CPU_ENV)
-        if cluster.device == "cpu"
-        else {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
-    )
+    env = cpu_env() if cluster.device == "cpu" else {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
     runtime_env = {"env_vars": env}
     if cluster.address:
         ray.init(address=cluster.address, runtime_env=runtime_env)
@@ -77,16 +71,54 @@ def prepare_model_dir(model_cfg, output_dir: str) -> str:
     return str(out)
 
 
-def ds_config(train, lr: float) -> dict[str, Any]:
-    return {
-        "zero_stage": train.zero_stage,
-        "bf16": train.bf16,
-        "lr": lr,
-        "weight_decay": train.weight_decay,
-        "grad_clip": train.grad_clip,
-        "warmup_steps": train.warmup_steps,
-        "gradient_checkpointing": train.gradient_checkpointing,
-    }
+def deepspeed_settings(train: DeepSpeedConfig, lr: float, total_steps: int = 0) -> DeepSpeedSettings:
+    """The one conversion from the run's ``train.*`` config to a group's ``DeepSpeedSettings``.
+
+    ``lr=0`` makes a frozen group (reference, PPO reward model). A supervised config's
+    ``lr_schedule``/``min_lr_ratio`` travel too; ``total_steps`` is the length of a cosine schedule.
+    """
+    from rlhf.workers.deepspeed_worker import DeepSpeedSettings
+
+    shared = {f.name: getattr(train, f.name) for f in fields(DeepSpeedConfig)}
+    schedule = getattr(train, "lr_schedule", "constant")
+    extra = {}
+    if schedule == "cosine":
+        extra = {
+            "lr_schedule": "cosine",
+            "total_steps": max(total_steps, train.warmup_steps + 1),
+            "min_lr_ratio": train.min_lr_ratio,
+        }
+    return DeepSpeedSettings(**shared, lr=lr, **extra)
+
+
+@contextmanager
+def model_group(cfg, role: str, path: str, num_ranks: int, lr: float = 0.0, total_steps: int = 0):
+    """A ``ModelGroup`` on a placement group of its own, both released on exit (SFT/DPO/RM)."""
+    import ray
+
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.placement import Placement, create_placement_group
+
+    c, t = cfg.cluster, cfg.train
+    pg = create_placement_group(num_ranks, c.cpus_per_worker, c.gpus_per_worker, name=_pg_name(role))
+    try:
+        placement = Placement.on_bundles(pg, num_ranks, c.cpus_per_worker, c.gpus_per_worker)
+        settings = deepspeed_settings(t, lr, total_steps)
+        group = ModelGroup(
+            role, path, num_ranks, settings, placement, attn_impl=cfg.model.attn_impl, seed=t.seed
+        )
+        try:
+            yield group
+        finally:
+            group.shutdown()
+    finally:
+        ray.util.remove_placement_group(pg)
+
+
+def _pg_name(role: str) -> str:
+    # Unique: Ray refuses a second live placement group of the same name (two jobs on one
+    # cluster, or a test session building workers twice).
+    return f"rlhf-{role}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass
@@ -143,9 +175,6 @@ def build_workers(cfg, model_dir: str) -> Workers:
         roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
     if cfg.reward.type == "model":
         roles.append(("reward", c.reward_ranks, cfg.reward.model_path, 0.0))
-    # Unique names: Ray refuses a second live placement group of the same name (two jobs on
-    # one cluster, or a test session building workers twice).
-    tag = uuid.uuid4().hex[:8]
     placements: dict[str, Placement] = {}
     pgs = []
     groups: dict[str, ModelGroup] = {}
@@ -155,16 +184,14 @@ def build_workers(cfg, model_dir: str) -> Workers:
             n = max(r[1] for r in roles)
             k = len(roles)
             pgs.append(
-                create_placement_group(n, c.cpus_per_worker * k, c.gpus_per_worker * k, name=f"rlhf-{tag}")
+                create_placement_group(n, c.cpus_per_worker * k, c.gpus_per_worker * k, name=_pg_name("all"))
             )
             for role, ranks, _, _ in roles:
                 placements[role] = Placement.on_bundles(pgs[0], ranks, c.cpus_per_worker, c.gpus_per_worker)
         else:
             for role, ranks, _, _ in roles:
                 pgs.append(
-                    create_placement_group(
-                        ranks, c.cpus_per_worker, c.gpus_per_worker, name=f"rlhf-{role}-{tag}"
-                    )
+                    create_placement_group(ranks, c.cpus_per_worker, c.gpus_per_worker, name=_pg_name(role))
                 )
                 placements[role] = Placement.on_bundles(pgs[-1], ranks, c.cpus_per_worker, c.gpus_per_worker)
         for role, ranks, path, lr in roles:
@@ -172,7 +199,7 @@ def build_workers(cfg, model_dir: str) -> Workers:
                 role,
                 path,
                 ranks,
-                ds_config(t, lr),
+                deepspeed_settings(t, lr),
                 placements[role],
                 attn_impl=cfg.model.attn_impl,
                 seed=t.seed,

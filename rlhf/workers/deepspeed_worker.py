@@ -10,7 +10,7 @@ Gradient accumulation is ours, not DeepSpeed's: the engine is configured with
 boundary by hand with ``engine.set_gradient_accumulation_boundary(i == last)`` before each
 backward, then calls ``engine.step()`` once: exactly one optimizer step per call, however
 many packed micro-batches this rank was dealt. Loss normalisation lives in the objective
-(see ``rlhf.trainer.objectives``).
+(see ``rlhf.models.objective`` and ``rlhf.trainer.objectives``).
 
 The HF model is wrapped in ``_Call``, a parameter-less module whose forward runs a given
 function on the HF model. Every forward therefore goes through ``engine.forward``, which is
@@ -26,13 +26,16 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from rlhf.config.schema import DeepSpeedConfig
+from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
+from rlhf.models.objective import TrainObjective
 
 __all__ = ["ROLES", "DeepSpeedSettings", "ModelWorker", "build_ds_config"]
 
@@ -47,47 +50,25 @@ _CLIENT_KEY = "rlhf_client_state"
 
 
 @dataclass
-class DeepSpeedSettings:
-    """DeepSpeed and optimizer settings of one model group (a plain dict crosses Ray)."""
+class DeepSpeedSettings(DeepSpeedConfig):
+    """DeepSpeed and optimizer settings of one model group: the run's ``train.*`` DeepSpeed
+    fields (``DeepSpeedConfig``, validated there) plus what differs per group."""
 
-    zero_stage: int = 2
-    bf16: bool = False
     lr: float = 1e-6
-    weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 = no clipping
-    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
     lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at total_steps)
     total_steps: int = 0
     min_lr_ratio: float = 0.0
-    offload_optimizer: bool = False
-    offload_param: bool = False
-    gradient_checkpointing: bool = False
-    zero3_init: bool = True  # ZeRO-3: build the model partitioned (deepspeed.zero.Init)
     dist_timeout_s: float = 1800.0
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | DeepSpeedSettings | None) -> DeepSpeedSettings:
-        if isinstance(d, DeepSpeedSettings):
-            return d
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown DeepSpeed settings {unknown}; known: {sorted(known)}")
-        s = cls(**d)
-        s.betas = tuple(s.betas)  # type: ignore[assignment]
-        if s.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {s.zero_stage}")
-        if s.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {s.lr_schedule!r}")
-        if s.lr_schedule == "cosine" and s.total_steps <= s.warmup_steps:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ValueError("lr_schedule='cosine' needs total_steps > warmup_steps")
-        return s
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def build_ds_config(s: DeepSpeedSettings, world_size: int, train: bool) -> dict[str, Any]:
@@ -156,7 +137,7 @@ class ModelWorker:
     """One rank of a model group. All ranks of a group must receive the same calls in the same order.
 
     Roles and what trains: ``actor`` and ``critic`` always have an optimizer; ``reference`` is
-    inference-only; ``reward`` is trainable when ``ds["lr"] > 0`` (reward-model training,
+    inference-only; ``reward`` is trainable when ``settings.lr > 0`` (reward-model training,
     ``rlhf.rm``) and inference-only with ``lr == 0`` (the PPO reward model, no optimizer).
     An inference-only role refuses ``train_step`` and the checkpoint calls.
 
@@ -171,7 +152,7 @@ class ModelWorker:
         model_dir: HF model directory.
         rank, world_size: data-parallel rank and size of this group.
         master_addr, master_port: rendezvous of this group's process group.
-        ds: ``DeepSpeedSettings`` fields as a dict.
+        settings: the group's ``DeepSpeedSettings``.
         attn_impl: passed to ``rlhf.models.forward.prepare_model_for_packing``.
         seed: torch seed (value-head init, dropout).
     """
@@ -184,7 +165,7 @@ class ModelWorker:
         world_size: int,
         master_addr: str,
         master_port: int,
-        ds: dict[str, Any] | None = None,
+        settings: DeepSpeedSettings | None = None,
         attn_impl: str = "auto",
         seed: int = 0,
     ) -> None:
@@ -201,7 +182,7 @@ class ModelWorker:
         import deepspeed
 
         self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
-        self.settings = DeepSpeedSettings.from_dict(ds)
+        self.settings = settings or DeepSpeedSettings()
         self.trainable = role in TRAINABLE_ROLES or (role == "reward" and self.settings.lr > 0)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
@@ -346,8 +327,6 @@ class ModelWorker:
         ``None`` slots return None; under ZeRO-3 they still run a dummy forward because the
         parameter all-gathers are collective.
         """
-        from rlhf.trainer.objectives import dummy_flat_batch
-
         self._set_train(False)
         fn = self._forward_fn(temperature)
         out: list[torch.Tensor | None] = []
@@ -361,14 +340,14 @@ class ModelWorker:
         return out
 
     def train_step(
-        self, micro_batches: list[FlatBatch | None], objective: Any, loss_normalizer: float
+        self, micro_batches: list[FlatBatch | None], objective: TrainObjective, loss_normalizer: float
     ) -> dict[str, float]:
         """Accumulate gradients over ``micro_batches`` and take exactly one optimizer step.
 
         Args:
             micro_batches: this rank's packed micro-batches; ``None`` slots (this rank got
                 fewer than others) run ``objective.dummy_batch()`` at zero weight.
-            objective: ``rlhf.trainer.objectives.Objective``.
+            objective: a ``rlhf.models.objective.TrainObjective``.
             loss_normalizer: sum of ``objective.loss_weight(mb)`` over every micro-batch of
                 the mini-batch on every rank.
 

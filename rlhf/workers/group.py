@@ -26,11 +26,12 @@ import torch
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlhf.data.packing import balance_bins, pack, unpack
+from rlhf.data.packing import balance_bins, pack, shard_bounds, unpack
 from rlhf.data.types import FlatBatch, Sample
+from rlhf.envvars import model_worker_env
+from rlhf.models.objective import TrainObjective
 from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
 from rlhf.workers.placement import Placement
-from rlhf.workers.rollout import shard_bounds
 
 __all__ = ["ModelGroup"]
 
@@ -108,8 +109,8 @@ class ModelGroup:
         model_dir: HF model directory (a causal LM; for reward, a sequence-classification model,
             or a causal LM to start reward-model training from).
         num_ranks: data-parallel size.
-        ds_cfg: ``DeepSpeedSettings`` fields (dict or instance); a ``reward`` group trains only
-            with ``lr > 0``.
+        settings: the group's ``DeepSpeedSettings`` (default: its defaults); a ``reward`` group
+            trains only with ``settings.lr > 0``.
         placement: where the ranks run; default: anywhere on the driver's node, 1 CPU each.
         attn_impl: attention implementation for the packed forward.
         seed: torch seed on every rank.
@@ -121,7 +122,7 @@ class ModelGroup:
         role: str,
         model_dir: str,
         num_ranks: int,
-        ds_cfg: dict[str, Any] | DeepSpeedSettings | None = None,
+        settings: DeepSpeedSettings | None = None,
         placement: Placement | None = None,
         attn_impl: str = "auto",
         seed: int = 0,
@@ -134,14 +135,9 @@ class ModelGroup:
         self.role, self.num_ranks = role, num_ranks
         self.placement = placement or Placement()
         self.placement.check(num_ranks)
-        ds = DeepSpeedSettings.from_dict(ds_cfg).to_dict()
+        settings = settings or DeepSpeedSettings()
         master_addr, master_port = self._rendezvous()
-        env = {
-            "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": str(max(1, int(self.placement.num_cpus))),
-        }
-        if not self.placement.uses_gpu:
-            env["DS_ACCELERATOR"] = "cpu"
+        env = model_worker_env(self.placement.uses_gpu, self.placement.num_cpus)
         env.update(env_vars or {})
         remote_cls = ray.remote(ModelWorker)
         self.workers: list[Any] = []
@@ -152,7 +148,7 @@ class ModelGroup:
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._driver_node, soft=False)
             self.workers.append(
                 remote_cls.options(**opts, runtime_env={"env_vars": env}).remote(
-                    role, str(model_dir), r, num_ranks, master_addr, master_port, ds, attn_impl, seed
+                    role, str(model_dir), r, num_ranks, master_addr, master_port, settings, attn_impl, seed
                 )
             )
         # A rank that fails to start kills the others (they would wait in the rendezvous).
@@ -266,7 +262,7 @@ class ModelGroup:
     def train(
         self,
         samples: Sequence[Sample],
-        objective: Any,
+        objective: TrainObjective,
         max_tokens_per_microbatch: int,
         num_minibatches: int = 1,
         num_epochs: int = 1,
@@ -308,7 +304,7 @@ class ModelGroup:
         return out
 
     def _train_minibatch(
-        self, samples: list[Sample], units: list[list[int]], objective: Any, budget: int
+        self, samples: list[Sample], units: list[list[int]], objective: TrainObjective, budget: int
     ) -> dict[str, float]:
         mbs = pack(samples, budget, units=units)
         normalizer = float(sum(objective.loss_weight(mb) for mb in mbs))

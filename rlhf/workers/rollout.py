@@ -49,13 +49,14 @@ from typing import Any
 
 import torch
 
+from rlhf.envvars import engine_env
+
 __all__ = [
     "SAMPLING_KEYS",
     "RolloutEngine",
     "RolloutEngineError",
     "check_sampling",
     "default_engine_env",
-    "shard_bounds",
     "validate_prompts",
 ]
 
@@ -78,32 +79,14 @@ SAMPLING_KEYS = frozenset(
     }
 )
 
-# Environment the engine needs on a CPU-only host: a small KV cache (GiB) and the engine core in
-# the actor's own process (a second process per engine doubles memory and start-up time).
-CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
 
 class RolloutEngineError(RuntimeError):
     """A rollout engine failed (and, for a dead engine, failed again after one restart)."""
 
 
 def default_engine_env(num_gpus: float) -> dict[str, str]:
-    """Env vars for an engine actor: the CPU recipe without GPUs, plus the hub/offline settings
-    of the driver so an offline cluster stays offline inside the actors."""
-    env = {} if num_gpus > 0 else dict(CPU_ENGINE_ENV)
-    if num_gpus > 0:
-        # One engine per actor, TP=1: keep the engine core in-process (no extra CUDA context).
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    for key in (
-        "HF_HUB_OFFLINE",
-        "TRANSFORMERS_OFFLINE",
-        "HF_HOME",
-        "VLLM_CPU_KVCACHE_SPACE",
-        "VLLM_CPU_OMP_THREADS_BIND",
-    ):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    return env
+    """Env vars for an engine actor (``rlhf.envvars.engine_env``)."""
+    return engine_env(num_gpus)
 
 
 def check_sampling(sampling: Mapping[str, Any]) -> None:
@@ -149,17 +132,6 @@ def validate_prompts(prompts: list[list[int]], max_model_len: int) -> None:
                 "tokens). Raise rollout.max_model_len, lower data.max_prompt_len, or set "
                 "data.overlong_prompts=skip"
             )
-
-
-def shard_bounds(num_items: int, num_shards: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` ranges, sizes differing by at most one; empty shards are kept."""
-    base, extra = divmod(num_items, num_shards)
-    bounds, start = [], 0
-    for k in range(num_shards):
-        end = start + base + (1 if k < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def _per_prompt_seeds(
@@ -234,7 +206,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         if not torch.cuda.is_available():
             # vLLM reads these when the engine starts; an engine built outside the pool still needs them.
-            for key, value in CPU_ENGINE_ENV.items():
+            for key, value in engine_env(0).items():
                 os.environ.setdefault(key, value)
             _request_amx_permission()
         from vllm import LLM

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
+from rlhf.data.packing import shard_bounds
 from rlhf.workers.rollout import (
     RolloutEngine,
     RolloutEngineError,
     _per_prompt_seeds,
     check_sampling,
     default_engine_env,
-    shard_bounds,
     validate_prompts,
 )
 

@@ -246,3 +246,11 @@ def test_balance_bins_rejects_bad_world_size():
 def test_sample_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"Sample.{field}"):
         Sample(**kwargs)
+
+
+def test_shard_bounds_contiguous_and_balanced() -> None:
+    from rlhf.data.packing import shard_bounds
+
+    assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
+    assert shard_bounds(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    assert shard_bounds(6, 3) == [(0, 2), (2, 4), (4, 6)]

@@ -140,11 +140,12 @@ def test_trainer_needs_reference_logprobs(tmp_path, pairs):
         DPOTrainer(cfg, None, bare[:3], eval_pairs=[(bare[0][0], bare[3][1])])
 
 
+@pytest.mark.e2e
 def test_dpo_steps_through_the_group_keep_pairs_together_and_raise_the_margin(
     ray_session, tmp_path, tiny_llama_dir, pairs
 ):
     from rlhf.trainer.dpo_trainer import DPOTrainer, fill_reference
-    from rlhf.trainer.sft_trainer import model_group
+    from rlhf.trainer.setup import model_group
 
     pairs = [(Sample(c.input_ids, c.action_mask), Sample(r.input_ids, r.action_mask)) for c, r in pairs[:8]]
     # A budget of about two pairs per micro-batch: packed sample by sample, some pair is split (checked

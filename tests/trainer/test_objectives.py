@@ -9,9 +9,9 @@ import torch
 
 from rlhf.algorithms.kl import kl_estimator
 from rlhf.algorithms.losses import aggregate_loss, ppo_policy_loss, sft_loss, value_loss
-from rlhf.data.packing import concat
+from rlhf.data.packing import concat, dummy_flat_batch
 from rlhf.data.types import Sample
-from rlhf.trainer.objectives import PolicyObjective, SFTObjective, ValueObjective, dummy_flat_batch
+from rlhf.trainer.objectives import PolicyObjective, SFTObjective, ValueObjective
 
 LENGTHS = [(9, 3), (12, 5), (7, 2), (6, 6), (11, 4)]  # (tokens, prompt length); (6, 6): no action
 

@@ -57,13 +57,14 @@ def test_score_at_last_token_equals_per_sample_reference_and_loss_matches(rm, pa
     torch.testing.assert_close(total, pairwise_rm_loss(expected[0::2], expected[1::2]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.e2e
 def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
     ray_session, tmp_path, tiny_llama_dir, pairs
 ):
     from transformers import AutoModelForSequenceClassification
 
     from rlhf.trainer.rm_trainer import RMTrainer
-    from rlhf.trainer.sft_trainer import model_group
+    from rlhf.trainer.setup import model_group
 
     cfg = tiny_trainer_cfg("rm", tmp_path, tiny_llama_dir, "train.lr=0.002")
     pairs = pairs[:10]
@@ -97,6 +98,7 @@ def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf.rm import run
+    from rlhf.workers.deepspeed_worker import DeepSpeedSettings
     from rlhf.workers.group import ModelGroup
 
     history = run(tiny_trainer_cfg("rm", tmp_path, tiny_llama_dir, "train.max_steps=3"))
@@ -107,7 +109,7 @@ def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()
     samples = [Sample(s.input_ids, s.action_mask) for p in pairs[:3] for s in p]
     # What `python -m rlhf.ppo reward.type=model reward.model_path=<final>` builds for scoring (lr 0).
-    reward = ModelGroup("reward", str(final), 1, dict(lr=0.0))
+    reward = ModelGroup("reward", str(final), 1, DeepSpeedSettings(lr=0.0))
     try:
         scores = torch.stack(reward.forward(samples, 512))
     finally:

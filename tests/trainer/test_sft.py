@@ -94,12 +94,12 @@ def sft_group(ray_session, tiny_llama_dir, tmp_path_factory):
     Placed without a placement group: ``model_group``'s is named per role, and the other tests of
     this module open their own ``rlhf-actor`` while this one is alive.
     """
-    from rlhf.trainer.setup import ds_config
+    from rlhf.trainer.setup import deepspeed_settings
     from rlhf.workers.group import ModelGroup
 
     cfg = tiny_trainer_cfg("sft", tmp_path_factory.mktemp("sft_group"), tiny_llama_dir)
     group = ModelGroup(
-        "actor", str(tiny_llama_dir), 1, ds_config(cfg.train, cfg.train.lr), seed=cfg.train.seed
+        "actor", str(tiny_llama_dir), 1, deepspeed_settings(cfg.train, cfg.train.lr), seed=cfg.train.seed
     )
     yield group
     group.shutdown()
@@ -118,6 +118,7 @@ def _record_train_calls(monkeypatch, group) -> list[tuple[list[int], object, int
     return calls
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("max_steps", "steps"), [(0, 6), (4, 4)])
 def test_fit_runs_shuffled_epochs_evaluates_and_saves(
     sft_group, monkeypatch, tmp_path, tiny_llama_dir, max_steps, steps
@@ -165,8 +166,10 @@ def test_fit_runs_shuffled_epochs_evaluates_and_saves(
         torch.testing.assert_close(saved[name], w.float(), msg=name)
 
 
+@pytest.mark.e2e
 def test_sft_steps_through_the_group_decrease_loss(ray_session, tmp_path, tiny_llama_dir, tok):
-    from rlhf.trainer.sft_trainer import SFTTrainer, model_group
+    from rlhf.trainer.setup import model_group
+    from rlhf.trainer.sft_trainer import SFTTrainer
 
     # Two ranks: dealing, dummy slots and the rank-weighted loss normaliser are all in play.
     cfg = tiny_trainer_cfg("sft", tmp_path, tiny_llama_dir, "cluster.actor_ranks=2", "train.lr=0.002")
@@ -198,6 +201,7 @@ def test_sft_entry_point_end_to_end(ray_session, tmp_path, tiny_llama_dir):
     assert model.config.architectures == ["LlamaForCausalLM"]
 
 
+@pytest.mark.e2e
 def test_checkpoint_resume_continues_the_same_schedule(sft_group, tmp_path, tiny_llama_dir):
     """Stopping after step 2 and resuming gives the weights of an uninterrupted 4-step run."""
     from rlhf.data.types import Sample

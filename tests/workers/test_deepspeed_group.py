@@ -16,6 +16,7 @@ import torch
 from rlhf.data.types import Sample
 from rlhf.trainer.objectives import SFTObjective, ValueObjective
 from rlhf.trainer.pref_objectives import RMObjective
+from rlhf.workers.deepspeed_worker import DeepSpeedSettings
 from rlhf.workers.group import ModelGroup, _rendezvous_node
 from rlhf.workers.placement import Placement, create_placement_group
 
@@ -103,7 +104,12 @@ def _start(
 ) -> ModelGroup:
     t0 = time.perf_counter()
     group = ModelGroup(
-        role, str(model_dir), num_ranks, dict(DS, zero_stage=stage, **ds), placement=placement, seed=0
+        role,
+        str(model_dir),
+        num_ranks,
+        DeepSpeedSettings(**{**DS, "zero_stage": stage, **ds}),
+        placement=placement,
+        seed=0,
     )
     if role in ("actor", "critic"):
         group.save_checkpoint(str(ckpt), {"step": 0}, tag="init")
@@ -121,6 +127,7 @@ def actor(request, ray_session, model_dir, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- actor tests
+@pytest.mark.e2e
 def test_forward_matches_per_sample_hf(actor, model_dir, vocab) -> None:
     samples = _samples(vocab, seed=1)
     out = actor.forward(samples, BUDGET)
@@ -134,6 +141,7 @@ def test_forward_matches_per_sample_hf(actor, model_dir, vocab) -> None:
     torch.testing.assert_close(one[0], out[0], atol=1e-6, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_data_parallel_step_equals_single_process_full_batch(actor, model_dir, vocab, aggregation) -> None:
     """The loss-normalisation test: 2 ranks x uneven micro-batches == one process, whole batch."""
@@ -150,6 +158,7 @@ def test_data_parallel_step_equals_single_process_full_batch(actor, model_dir, v
     assert stats["num_optimizer_steps"] == 1 and stats["lr"] == pytest.approx(DS["lr"])
 
 
+@pytest.mark.e2e
 def test_result_does_not_depend_on_packing_or_dummy_slots(actor, vocab) -> None:
     samples = _samples(vocab)
     results = []
@@ -163,6 +172,7 @@ def test_result_does_not_depend_on_packing_or_dummy_slots(actor, vocab) -> None:
     assert [i["global_steps"] for i in actor.info()] == [1, 1]
 
 
+@pytest.mark.e2e
 def test_sft_loss_decreases_with_one_optimizer_step_per_minibatch(actor, vocab) -> None:
     actor.load_checkpoint(actor.init_ckpt, tag="init")
     samples = _samples(vocab)
@@ -173,6 +183,7 @@ def test_sft_loss_decreases_with_one_optimizer_step_per_minibatch(actor, vocab) 
     assert [i["global_steps"] for i in actor.info()] == [7, 7]
 
 
+@pytest.mark.e2e
 def test_checkpoint_resume_equals_uninterrupted(actor, vocab, tmp_path) -> None:
     actor.load_checkpoint(actor.init_ckpt, tag="init")
     a, b = _samples(vocab, seed=2), _samples(vocab, seed=3)
@@ -187,6 +198,7 @@ def test_checkpoint_resume_equals_uninterrupted(actor, vocab, tmp_path) -> None:
     assert _max_diff(actor.get_weights(), uninterrupted) < 1e-7
 
 
+@pytest.mark.e2e
 def test_get_weights_full_hf_state_dict_and_save_hf(actor, model_dir, tmp_path) -> None:
     actor.load_checkpoint(actor.init_ckpt, tag="init")
     weights = actor.get_weights()
@@ -208,9 +220,10 @@ def test_get_weights_full_hf_state_dict_and_save_hf(actor, model_dir, tmp_path) 
 
 
 # ---------------------------------------------------------------- inference-only roles
+@pytest.mark.e2e
 def test_reference_plain_module_forward_and_no_training(ray_session, model_dir, vocab) -> None:
     """ZeRO-2 inference = no DeepSpeed engine, the HF module in eval mode on each rank."""
-    ref_group = ModelGroup("reference", str(model_dir), 1, dict(DS, zero_stage=2))
+    ref_group = ModelGroup("reference", str(model_dir), 1, DeepSpeedSettings(**DS, zero_stage=2))
     try:
         samples = _samples(vocab, seed=5)
         ref = _hf_lm(model_dir)
@@ -224,6 +237,7 @@ def test_reference_plain_module_forward_and_no_training(ray_session, model_dir, 
         ref_group.shutdown()
 
 
+@pytest.mark.e2e
 def test_colocated_critic_and_reward_on_one_placement_group(ray_session, model_dir, vocab, tmp_path) -> None:
     """ZeRO-3 critic and ZeRO-3 (inference-only) reward share two bundles, half a CPU each.
 
@@ -263,17 +277,18 @@ def test_colocated_critic_and_reward_on_one_placement_group(ray_session, model_d
         ray_session.util.remove_placement_group(pg)
 
 
+@pytest.mark.e2e
 def test_reward_role_trains_only_with_positive_lr(ray_session, model_dir, vocab) -> None:
     """lr=0 (PPO's reward model): train refused; lr>0 (reward-model training): the pair loss falls."""
     samples = _samples(vocab, seed=6, lengths=[(9, 4), (9, 4), (12, 5), (7, 5)])
     pairs = [[0, 1], [2, 3]]
-    frozen = ModelGroup("reward", str(model_dir), 1, dict(DS, zero_stage=2, lr=0.0))
+    frozen = ModelGroup("reward", str(model_dir), 1, DeepSpeedSettings(**{**DS, "lr": 0.0}, zero_stage=2))
     try:
         with pytest.raises(RuntimeError, match=r"inference-only.*lr > 0"):
             frozen.train(samples, RMObjective(), BUDGET, units=pairs)
     finally:
         frozen.shutdown()
-    reward = ModelGroup("reward", str(model_dir), 1, dict(DS, zero_stage=2))
+    reward = ModelGroup("reward", str(model_dir), 1, DeepSpeedSettings(**DS, zero_stage=2))
     try:
         losses = [reward.train(samples, RMObjective(), BUDGET, units=pairs)["loss"] for _ in range(3)]
         assert losses[0] > losses[1] > losses[2]
@@ -282,12 +297,14 @@ def test_reward_role_trains_only_with_positive_lr(ray_session, model_dir, vocab)
         reward.shutdown()
 
 
+@pytest.mark.e2e
 def test_missing_resources_error_names_cluster_fields(ray_session) -> None:
     with pytest.raises(RuntimeError, match="cluster.cpus_per_worker"):
         create_placement_group(2, cpus_per_bundle=1000, gpus_per_bundle=0, timeout_s=1)
 
 
 # ---------------------------------------------------------------- critic init
+@pytest.mark.e2e
 def test_critic_keeps_the_head_of_a_value_model_dir(ray_session, model_dir, vocab, tmp_path) -> None:
     """A critic on a reward-model/critic dir keeps its head; on a causal-LM dir it gets a fresh one."""
     from rlhf.models.forward import build_value_model
@@ -301,14 +318,14 @@ def test_critic_keeps_the_head_of_a_value_model_dir(ray_session, model_dir, voca
     ref = build_value_model(tmp_path / "rm", init_from_causal_lm=False).eval()
     groups = []
     try:
-        critic = ModelGroup("critic", str(tmp_path / "rm"), 1, dict(DS, zero_stage=2))
+        critic = ModelGroup("critic", str(tmp_path / "rm"), 1, DeepSpeedSettings(**DS, zero_stage=2))
         groups.append(critic)
         assert torch.equal(critic.get_weights()["score.weight"], known)
         with torch.no_grad():
             for s, v in zip(samples, critic.forward(samples, BUDGET), strict=True):
                 full = ref.score(ref.base_model(s.input_ids[None]).last_hidden_state[0])[:, 0]
                 torch.testing.assert_close(v[1:], full[:-1], atol=1e-5, rtol=0)
-        fresh = ModelGroup("critic", str(model_dir), 1, dict(DS, zero_stage=2))
+        fresh = ModelGroup("critic", str(model_dir), 1, DeepSpeedSettings(**DS, zero_stage=2))
         groups.append(fresh)
         head = fresh.get_weights()["score.weight"]
         assert head.shape == known.shape and not torch.allclose(head, known) and head.abs().sum() > 0
@@ -318,6 +335,7 @@ def test_critic_keeps_the_head_of_a_value_model_dir(ray_session, model_dir, voca
 
 
 # ---------------------------------------------------------------- failures and rendezvous
+@pytest.mark.e2e
 def test_failing_rank_kills_the_group_fast_instead_of_hanging(ray_session, model_dir, vocab) -> None:
     """Rank 1 raises mid train_step; rank 0 would wait in a collective for dist_timeout_s (120 s)."""
 
@@ -329,7 +347,7 @@ def test_failing_rank_kills_the_group_fast_instead_of_hanging(ray_session, model
                 raise ValueError("objective blew up on purpose")
             return super().__call__(model, mb, loss_scale)
 
-    group = ModelGroup("actor", str(model_dir), 2, dict(DS, zero_stage=2))
+    group = ModelGroup("actor", str(model_dir), 2, DeepSpeedSettings(**DS, zero_stage=2))
     try:
         t0 = time.perf_counter()
         with pytest.raises(

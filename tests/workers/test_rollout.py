@@ -19,7 +19,6 @@ from rlhf.workers.rollout import (
     _per_prompt_seeds,
     check_sampling,
     default_engine_env,
-    shard_bounds,
     validate_prompts,
 )
 from rlhf.workers.rollout_pool import RolloutPool
@@ -30,12 +29,6 @@ TIMINGS: dict[str, float] = {}
 
 
 # ---------------------------------------------------------------- no vLLM needed
-
-
-def test_shard_bounds_contiguous_and_balanced() -> None:
-    assert shard_bounds(5, 2) == [(0, 3), (3, 5)]
-    assert shard_bounds(1, 3) == [(0, 1), (1, 1), (1, 1)]
-    assert shard_bounds(6, 3) == [(0, 2), (2, 4), (4, 6)]
 
 
 def test_validation_errors_name_the_field() -> None:

@@ -1,0 +1,70 @@
+"""Every environment variable the framework sets, in one place.
+
+``CLUSTER_ENV`` is what every process of a run needs on any cluster, CPU or GPU; it is also
+written out in ``launch/runtime_env.yaml``, ``launch/k8s/rayjob.yaml``, ``docker/Dockerfile``
+and ``scripts/env.sh`` (tests/test_envvars.py checks they agree). ``CPU_ENV`` adds what a
+CPU-only host needs; it would break vLLM and DeepSpeed on GPUs, so it is set only when
+``cluster.device=cpu``. A value already in the driver's environment wins for the variables
+a user may tune (``TUNABLE``).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["CLUSTER_ENV", "CPU_ENV", "PASSTHROUGH", "TUNABLE", "cpu_env", "engine_env", "model_worker_env"]
+
+CLUSTER_ENV = {
+    # Cluster nodes usually have no route to the Hub: fail fast on a missing model instead of
+    # hanging on retries.
+    "HF_HUB_OFFLINE": "1",
+    # Tokenizers' thread pool deadlocks in processes that Ray forks after it was used.
+    "TOKENIZERS_PARALLELISM": "false",
+    # The engine lives inside a Ray actor: vLLM's extra engine-core process would escape Ray's
+    # resource accounting (and, on GPU, need a second CUDA context).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+CPU_ENV = {
+    **CLUSTER_ENV,
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per CPU engine
+    "DS_ACCELERATOR": "cpu",  # DeepSpeed would otherwise probe for CUDA
+}
+
+# May be set by the user in the driver's environment; their value is kept.
+TUNABLE = ("VLLM_CPU_KVCACHE_SPACE", "DS_ACCELERATOR")
+
+# Forwarded from the driver to the engines so that an offline cluster stays offline there.
+PASSTHROUGH = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+)
+
+
+def cpu_env() -> dict[str, str]:
+    """``CPU_ENV`` with the driver's values of the ``TUNABLE`` variables."""
+    return {k: os.environ.get(k, v) if k in TUNABLE else v for k, v in CPU_ENV.items()}
+
+
+def engine_env(num_gpus: float) -> dict[str, str]:
+    """Env of a rollout-engine actor: the CPU recipe without GPUs, plus ``PASSTHROUGH``."""
+    if num_gpus > 0:
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": CLUSTER_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"]}
+    else:
+        env = {k: cpu_env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env.update({k: os.environ[k] for k in PASSTHROUGH if k in os.environ})
+    return env
+
+
+def model_worker_env(uses_gpu: bool, num_cpus: float) -> dict[str, str]:
+    """Env of a DeepSpeed rank: one intra-op thread per CPU it was given."""
+    env = {
+        "TOKENIZERS_PARALLELISM": CLUSTER_ENV["TOKENIZERS_PARALLELISM"],
+        "OMP_NUM_THREADS": str(max(1, int(num_cpus))),
+    }
+    if not uses_gpu:
+        env["DS_ACCELERATOR"] = cpu_env()["DS_ACCELERATOR"]
+    return env
