@@ -15,7 +15,7 @@ Runs `ray job submit --runtime-env launch/runtime_env.yaml -- python -m MODULE o
   -h, --help      show this help
 
 Everything after `--` is passed to the entry point unchanged, e.g.
-  launch/submit.sh --address http://head:8265 -- cluster=gpu trainer.max_steps=10
+  launch/submit.sh --address http://head:8265 -- cluster=gpu train.num_steps=10
 EOF
 }
 

@@ -12,12 +12,13 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf.config import register_configs, to_object
+from rlhf.config.trainers import DPOConfig
 
 register_configs()
 log = logging.getLogger("rlhf")
 
 
-def run(cfg) -> list[dict]:
+def run(cfg: DPOConfig) -> list[dict]:
     """Train from a validated ``DPOConfig``; the policy lands in ``<train.output_dir>/final``. Returns metrics."""
     from transformers import AutoTokenizer
 

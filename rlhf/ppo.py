@@ -12,12 +12,13 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf.config import register_configs, to_object
+from rlhf.config.schema import PPOConfig
 
 register_configs()
 log = logging.getLogger("rlhf")
 
 
-def run(cfg) -> list[dict]:
+def run(cfg: PPOConfig) -> list[dict]:
     """Build everything from a validated ``PPOConfig`` and train; returns the metric history."""
     from transformers import AutoTokenizer
 

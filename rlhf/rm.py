@@ -13,11 +13,12 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf.config import register_configs, to_object
+from rlhf.config.trainers import RMConfig
 
 register_configs()
 
 
-def run(cfg) -> list[dict]:
+def run(cfg: RMConfig) -> list[dict]:
     """Train from a validated ``RMConfig``; returns the metric history."""
     from transformers import AutoTokenizer
 

@@ -12,6 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf.config import register_configs, to_object
+from rlhf.config.trainers import SFTConfig
 
 register_configs()
 log = logging.getLogger("rlhf")
@@ -28,7 +29,7 @@ def load_data(cfg, tokenizer):
     return split_eval(samples, d.eval_size, d.seed)
 
 
-def run(cfg) -> list[dict]:
+def run(cfg: SFTConfig) -> list[dict]:
     """Train from a validated ``SFTConfig``; the model lands in ``<train.output_dir>/final``. Returns metrics."""
     from transformers import AutoTokenizer
 

@@ -61,7 +61,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     num_toy_prompts: int = 256
     max_prompt_len: int = 64
-    overlong_prompts: str = "error"  # error | skip (skipped prompts are counted in metrics)
+    overlong_prompts: str = "error"  # error | skip (the number skipped is logged at start-up)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -2,14 +2,13 @@
 
 A *unit* is the smallest group of samples that must stay in one micro-batch: a single
 sample for SFT/PPO, a (chosen, rejected) pair for DPO and reward-model training. Units are
-never cut; a unit longer than the budget is an error unless ``overlong="truncate"``.
+never cut; a unit longer than the budget is an error (``OverlongSampleError``).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
@@ -56,21 +55,6 @@ def plan_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def truncate_sample(s: Sample, max_len: int) -> Sample:
-    """Keep the first ``max_len`` tokens of ``s`` (and of every per-token field)."""
-    kw = {name: (t[:max_len] if t is not None else None) for name, t in _token_fields(s).items()}
-    info = dict(s.info, truncated_from=len(s))
-    return Sample(
-        input_ids=s.input_ids[:max_len],
-        action_mask=s.action_mask[:max_len],
-        score=s.score,
-        group_id=s.group_id,
-        finish_reason=s.finish_reason,
-        info=info,
-        **kw,
-    )
-
-
 def concat(samples: Sequence[Sample], sample_index: Sequence[int] | None = None) -> FlatBatch:
     """Concatenate samples into one ``FlatBatch`` (no budget, no padding)."""
     if not samples:
@@ -104,7 +88,6 @@ def pack(
     samples: Sequence[Sample],
     budget: int,
     units: Sequence[Sequence[int]] | None = None,
-    overlong: Literal["error", "truncate"] = "error",
 ) -> list[FlatBatch]:
     """Pack samples into micro-batches of at most ``budget`` tokens each.
 
@@ -113,8 +96,6 @@ def pack(
         budget: max tokens per micro-batch (the row length T of each packed row).
         units: groups of sample indices kept in the same micro-batch, in order (e.g. DPO
             pairs ``[[0, 1], [2, 3]]``). Default: every sample is its own unit.
-        overlong: ``"error"`` raises ``OverlongSampleError``; ``"truncate"`` cuts a single
-            sample unit to ``budget`` tokens (pairs are never truncated).
 
     Returns:
         Micro-batches; ``FlatBatch.sample_index`` says which input samples each holds.
@@ -125,12 +106,6 @@ def pack(
     seen = sorted(i for u in units for i in u)
     if seen != list(range(len(samples))):
         raise ValueError("units must cover every sample index exactly once")
-    if overlong == "truncate":
-        for u in units:
-            if len(u) == 1 and len(samples[u[0]]) > budget:
-                samples[u[0]] = truncate_sample(samples[u[0]], budget)
-    elif overlong != "error":
-        raise ValueError(f"overlong must be 'error' or 'truncate', got {overlong!r}")
     lengths = [sum(len(samples[i]) for i in u) for u in units]
     bins = plan_bins(lengths, budget)
     out = []
@@ -203,13 +178,3 @@ def unpack(flat: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
         )
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     return list(torch.split(flat, lens, dim=0))
-
-
-def scatter_to_samples(samples: list[Sample], batch: FlatBatch, name: str, flat: torch.Tensor) -> None:
-    """Write a flat per-token output of ``batch`` into field ``name`` of the original samples."""
-    for i, part in zip(batch.sample_index.tolist(), unpack(flat, batch.cu_seqlens), strict=True):
-        setattr(samples[i], name, part.detach().float().cpu())
-
-
-def _token_fields(s: Sample) -> dict[str, torch.Tensor | None]:
-    return {name: getattr(s, name) for name in TOKEN_FIELDS}

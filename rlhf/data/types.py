@@ -148,14 +148,6 @@ class FlatBatch:
     def seqlens(self) -> torch.Tensor:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
 
-    @property
-    def max_seqlen(self) -> int:
-        return int(self.seqlens.max()) if self.num_samples else 0
-
     def to(self, device: torch.device | str) -> FlatBatch:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         return FlatBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
-
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """Rows [1, T] for a transformers forward (see rlhf.models.forward)."""
-        return {"input_ids": self.input_ids.unsqueeze(0), "position_ids": self.position_ids.unsqueeze(0)}

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf.algorithms.shaping import overlong_penalty
+from rlhf.config.schema import PPOConfig, RolloutConfig
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
 from rlhf.rewards import RewardFunctionError, non_finite_indices, score_with_function
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.rollout_pool import RolloutPool
 
 
 @dataclass
@@ -41,7 +48,7 @@ class RolloutStats:
         )
 
 
-def sampling_params(cfg, n: int) -> dict[str, Any]:
+def sampling_params(cfg: RolloutConfig, n: int) -> dict[str, Any]:
     """Rollout config -> the engine's sampling dict."""
     return {
         "n": n,
@@ -114,13 +121,13 @@ class ExperienceMaker:
 
     def __init__(
         self,
-        cfg,
-        tokenizer,
-        rollout,
-        actor,
-        reference=None,
-        critic=None,
-        reward_model=None,
+        cfg: PPOConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        rollout: RolloutPool,
+        actor: ModelGroup,
+        reference: ModelGroup | None = None,
+        critic: ModelGroup | None = None,
+        reward_model: ModelGroup | None = None,
         reward_fn: Callable | None = None,
         env_factory: Callable | None = None,
     ):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf.algorithms.masking import masked_mean
+from rlhf.config.schema import PPOConfig
 from rlhf.data.packing import concat, plan_bins
 from rlhf.data.prompts import PromptLoader
 from rlhf.data.types import Sample
@@ -19,6 +22,11 @@ from rlhf.trainer.dynamic_sampling import collect_informative_groups
 from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.tracking import Tracker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlhf.trainer.setup import Workers
 
 log = logging.getLogger("rlhf")
 
@@ -42,7 +50,15 @@ def packing_metrics(samples: list[Sample], budget: int) -> dict[str, float]:
 class PPOTrainer:
     """Runs ``train.num_steps`` RL steps with the given workers (see ``setup.build_workers``)."""
 
-    def __init__(self, cfg, workers, tokenizer, loader: PromptLoader, reward_fn=None, env_factory=None):
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        workers: Workers,
+        tokenizer: PreTrainedTokenizerBase,
+        loader: PromptLoader,
+        reward_fn: Callable | None = None,
+        env_factory: Callable | None = None,
+    ):
         self.cfg, self.w, self.tok, self.loader = cfg, workers, tokenizer, loader
         # A critic group may exist (shared workers, resumed runs) while the estimator needs none.
         self.critic = workers.critic if cfg.algorithm.uses_critic else None

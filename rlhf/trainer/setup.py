@@ -9,21 +9,26 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlhf.config.schema import DeepSpeedConfig
 from rlhf.envvars import cpu_env
 
 if TYPE_CHECKING:
+    from rlhf.config.schema import ClusterConfig, ModelConfig, PPOConfig
+    from rlhf.config.trainers import DPOConfig, RMConfig, SFTConfig
     from rlhf.workers.deepspeed_worker import DeepSpeedSettings
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.rollout_pool import RolloutPool
 
 log = logging.getLogger("rlhf")
 
 
-def init_ray(cluster) -> None:
+def init_ray(cluster: ClusterConfig) -> None:
     """Join ``cluster.address`` or start a local Ray with ``cluster.num_cpus`` logical CPUs.
 
     Inside a Ray Job (``ray job submit``, KubeRay RayJob) the job's runtime_env already
@@ -45,7 +50,7 @@ def init_ray(cluster) -> None:
         ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env)
 
 
-def prepare_model_dir(model_cfg, output_dir: str) -> str:
+def prepare_model_dir(model_cfg: ModelConfig, output_dir: str) -> str:
     """``model.path``, or a tiny random-init model built once under ``output_dir``."""
     if model_cfg.path:
         if not Path(model_cfg.path, "config.json").is_file():
@@ -92,7 +97,14 @@ def deepspeed_settings(train: DeepSpeedConfig, lr: float, total_steps: int = 0) 
 
 
 @contextmanager
-def model_group(cfg, role: str, path: str, num_ranks: int, lr: float = 0.0, total_steps: int = 0):
+def model_group(
+    cfg: SFTConfig | DPOConfig | RMConfig,
+    role: str,
+    path: str,
+    num_ranks: int,
+    lr: float = 0.0,
+    total_steps: int = 0,
+) -> Iterator[ModelGroup]:
     """A ``ModelGroup`` on a placement group of its own, both released on exit (SFT/DPO/RM)."""
     import ray
 
@@ -123,11 +135,11 @@ def _pg_name(role: str) -> str:
 
 @dataclass
 class Workers:
-    rollout: Any
-    actor: Any
-    reference: Any = None
-    critic: Any = None
-    reward_model: Any = None
+    rollout: RolloutPool
+    actor: ModelGroup
+    reference: ModelGroup | None = None
+    critic: ModelGroup | None = None
+    reward_model: ModelGroup | None = None
     placement_groups: list = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -142,7 +154,7 @@ class Workers:
         self.placement_groups.clear()
 
 
-def _rollout_pool(cfg, model_dir: str):
+def _rollout_pool(cfg: PPOConfig, model_dir: str) -> RolloutPool:
     from rlhf.workers.rollout_pool import RolloutPool
 
     r, c = cfg.rollout, cfg.cluster
@@ -162,7 +174,7 @@ def _rollout_pool(cfg, model_dir: str):
     )
 
 
-def build_workers(cfg, model_dir: str) -> Workers:
+def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
     """Rollout engines and DeepSpeed groups placed per ``cluster.*``."""
     from rlhf.workers.group import ModelGroup
     from rlhf.workers.placement import Placement, create_placement_group

@@ -17,11 +17,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf.data.types import Sample
 from rlhf.trainer.checkpoint import load_latest, save_checkpoint
 from rlhf.trainer.tracking import Tracker
+
+if TYPE_CHECKING:
+    from rlhf.config.trainers import DPOConfig, RMConfig, SFTConfig
+    from rlhf.workers.group import ModelGroup
 
 __all__ = ["SupervisedTrainer", "Unit", "count_steps", "flatten_units"]
 
@@ -44,7 +48,13 @@ class SupervisedTrainer:
 
     objective: Any = None
 
-    def __init__(self, cfg, group, train_units: Sequence[Unit], eval_units: Sequence[Unit] = ()):
+    def __init__(
+        self,
+        cfg: SFTConfig | DPOConfig | RMConfig,
+        group: ModelGroup,
+        train_units: Sequence[Unit],
+        eval_units: Sequence[Unit] = (),
+    ):
         if not train_units:
             raise ValueError("nothing to train on: the training set is empty")
         self.cfg, self.group = cfg, group

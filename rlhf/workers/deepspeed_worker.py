@@ -46,7 +46,6 @@ ROLES = ("actor", "critic", "reference", "reward")
 TRAINABLE_ROLES = ("actor", "critic")
 # Elements gathered at once under ZeRO-3 by get_weights (bounds the transient full copy).
 _GATHER_BUCKET_NUMEL = 1 << 27
-_CLIENT_KEY = "rlhf_client_state"
 
 
 @dataclass
@@ -473,23 +472,19 @@ class ModelWorker:
         dist.barrier()
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(
-        self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None
-    ) -> None:
-        """Model + optimizer + LR scheduler + ``client_state`` (e.g. step, data position). Collective."""
+    def save_checkpoint(self, path: str, tag: str | None = None) -> None:
+        """Model + optimizer + LR scheduler (the run state lives in ``trainer_state.json``). Collective."""
         self._require_engine_with_optimizer("save_checkpoint")
-        # Under one key: what load_checkpoint hands back also holds DeepSpeed's own entries.
-        self.engine.save_checkpoint(path, tag=tag, client_state={_CLIENT_KEY: dict(client_state or {})})
+        self.engine.save_checkpoint(path, tag=tag)
 
-    def load_checkpoint(self, path: str, tag: str | None = None) -> dict[str, Any]:
-        """Restore what ``save_checkpoint`` wrote (``tag`` None = the latest); returns the client state."""
+    def load_checkpoint(self, path: str, tag: str | None = None) -> None:
+        """Restore what ``save_checkpoint`` wrote (``tag`` None = the latest)."""
         self._require_engine_with_optimizer("load_checkpoint")
-        load_path, client_state = self.engine.load_checkpoint(
+        load_path, _ = self.engine.load_checkpoint(
             path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r} (tag {tag!r})")
-        return dict((client_state or {}).get(_CLIENT_KEY, {}))
 
     def _require_engine_with_optimizer(self, what: str) -> None:
         if not self.trainable:

@@ -327,15 +327,13 @@ class ModelGroup:
     def save_hf(self, path: str) -> None:
         self._on_all("save_hf", str(path))
 
-    def save_checkpoint(
-        self, path: str, client_state: dict[str, Any] | None = None, tag: str | None = None
-    ) -> None:
-        """DeepSpeed checkpoint (model, optimizer, scheduler, client state) under ``path``: a shared dir."""
-        self._on_all("save_checkpoint", str(path), client_state, tag)
+    def save_checkpoint(self, path: str, tag: str | None = None) -> None:
+        """DeepSpeed checkpoint (model, optimizer, scheduler) under ``path``: a shared dir."""
+        self._on_all("save_checkpoint", str(path), tag)
 
-    def load_checkpoint(self, path: str, tag: str | None = None) -> dict[str, Any]:
-        """Restore every rank; returns the client state saved with the checkpoint."""
-        return self._on_all("load_checkpoint", str(path), tag)[0]
+    def load_checkpoint(self, path: str, tag: str | None = None) -> None:
+        """Restore every rank from ``save_checkpoint``'s dir."""
+        self._on_all("load_checkpoint", str(path), tag)
 
     def shutdown(self) -> None:
         """Leave the process groups and kill the actors (the placement group is the caller's)."""

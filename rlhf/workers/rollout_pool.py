@@ -54,7 +54,7 @@ class RolloutPool:
         keep_last_weights: keep the last synced weights in the object store so a restarted
             engine gets them (costs one model copy of object-store memory). Without it a
             restarted engine would silently serve the initial weights, so restarts are refused.
-        engine_cls: the engine class made into actors (``RolloutEngine``; tests pass fakes).
+        engine_cls: the engine class made into actors (``RolloutEngine``, or a subclass of it).
     """
 
     def __init__(

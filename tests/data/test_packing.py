@@ -100,34 +100,10 @@ def test_overlong_raises_naming_the_budget(lengths, budget):
     assert str(budget) in str(e.value)
 
 
-@FAST
-@given(lengths=lengths_st, budget=st.integers(2, 59))
-def test_truncate_mode(lengths, budget):
-    samples = [make_sample(n, seed) for seed, n in enumerate(lengths)]
-    batches = pack(samples, budget, overlong="truncate")
-    seen = sorted(i for mb in batches for i in mb.sample_index.tolist())
-    assert seen == list(range(len(samples)))
-    for mb in batches:
-        assert mb.num_tokens <= budget
-        for i, ids in zip(mb.sample_index.tolist(), unpack(mb.input_ids, mb.cu_seqlens), strict=True):
-            n = min(len(samples[i]), budget)
-            assert torch.equal(ids, samples[i].input_ids[:n])  # a prefix, never a middle cut
-        for i, v in zip(mb.sample_index.tolist(), unpack(mb.values, mb.cu_seqlens), strict=True):
-            assert torch.equal(v, samples[i].values[: len(v)])
-
-
-def test_pairs_are_never_truncated():
-    samples = [make_sample(30, 0), make_sample(30, 1)]
-    with pytest.raises(OverlongSampleError):
-        pack(samples, 40, units=[[0, 1]], overlong="truncate")
-
-
 def test_bad_arguments():
     samples = [make_sample(5, 0), make_sample(5, 1)]
     with pytest.raises(ValueError, match="units must cover"):
         pack(samples, 20, units=[[0]])
-    with pytest.raises(ValueError, match="overlong"):
-        pack(samples, 20, overlong="skip")
     with pytest.raises(ValueError, match="budget must be positive"):
         plan_bins([1], 0)
     with pytest.raises(ValueError, match="set on some samples"):
