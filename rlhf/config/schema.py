@@ -256,6 +256,10 @@ class TrainConfig(DeepSpeedConfig):
     max_tokens_per_microbatch: int = 2048
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
+    # 0 = synchronous; k >= 1 = the engines generate up to k steps ahead of the trainer
+    # (one-step-off for k=1): their weights are at most k versions old, nothing is discarded.
+    max_staleness: int = 0
+    rollout_timeout_s: float = 3600.0  # longest wait for a rollout batch or for the engines
     seed: int = 0
     save_every: int = 0  # 0 = only at the end
     output_dir: str = "runs/ppo"
@@ -266,6 +270,11 @@ class TrainConfig(DeepSpeedConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.num_steps >= 1, "train.num_steps must be >= 1")
+        _check(
+            self.max_staleness >= 0,
+            f"train.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}",
+        )
+        _check(self.rollout_timeout_s > 0, "train.rollout_timeout_s must be > 0")
         _check(self.rollout_batch_size >= 1, "train.rollout_batch_size must be >= 1")
         _check(self.max_tokens_per_microbatch >= 16, "train.max_tokens_per_microbatch must be >= 16")
 

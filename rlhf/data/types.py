@@ -25,6 +25,7 @@ advantages/returns  [n] float32   filled by the advantage step; 0 off the action
 loss_weights        [n] float32   policy-loss weight per token (rollout correction, overlong
                                   filter); 0 = no loss on that token. None = 1 on every action
 finish_reason       str | None    why generation stopped: "stop", "length" (hit the limit)
+weight_version      int | None    policy version (optimizer steps) of the weights that generated it
 ==================  ============  ==========================================================
 
 ``FlatBatch`` is many samples concatenated (no padding): per-token fields have shape [T]
@@ -69,6 +70,7 @@ class Sample:
     returns: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
     finish_reason: str | None = None
+    weight_version: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

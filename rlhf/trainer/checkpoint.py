@@ -1,35 +1,60 @@
 """Run checkpoints shared by every driver: DeepSpeed state per group plus a small JSON state.
 
-Layout: ``<output_dir>/checkpoints/step_<k>/<group name>/`` (model, optimizer, scheduler)
-and ``step_<k>/trainer_state.json`` (step, data position, ...); ``checkpoints/latest``
-names the newest complete checkpoint and is written last, so a crash mid-save leaves the
-previous one in force.
+Layout: ``<output_dir>/checkpoints/step_<k>/<group name>/`` (model, optimizer, scheduler),
+``step_<k>/trainer_state.json`` (step, data position, ...) and optional ``step_<k>/<name>.pt``
+blobs (e.g. rollouts generated ahead of the trainer); ``checkpoints/latest`` names the newest
+complete checkpoint and is replaced atomically, last, so a crash mid-save leaves the previous
+one in force.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 log = logging.getLogger("rlhf")
 
 
-def save_checkpoint(output_dir: str | Path, step: int, groups: dict[str, Any], state: dict) -> Path:
-    """Save every group in ``groups`` (name -> ``ModelGroup``) and ``state``; update ``latest``."""
+@dataclass
+class RunCheckpoint:
+    path: Path
+    state: dict
+    blobs: dict[str, Any] = field(default_factory=dict)
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    groups: dict[str, Any],
+    state: dict,
+    blobs: dict[str, Any] | None = None,
+) -> Path:
+    """Save every group in ``groups`` (name -> ``ModelGroup``), ``state`` and ``blobs``; update ``latest``."""
     root = Path(output_dir) / "checkpoints"
     path = root / f"step_{step}"
     for name, group in groups.items():
         group.save_checkpoint(str(path / name))  # the run state lives once, in trainer_state.json
+    for name, obj in (blobs or {}).items():
+        torch.save(obj, path / f"{name}.pt")
     (path / "trainer_state.json").write_text(json.dumps(state))
-    (root / "latest").write_text(path.name)
+    tmp = root / "latest.tmp"
+    tmp.write_text(path.name)
+    os.replace(tmp, root / "latest")
     log.info("saved checkpoint %s", path)
     return path
 
 
-def load_latest(output_dir: str | Path, groups: dict[str, Any]) -> dict | None:
-    """Restore ``groups`` from the newest checkpoint; returns its state, or None if there is none."""
+def load_latest(
+    output_dir: str | Path, groups: dict[str, Any], blobs: tuple[str, ...] = ()
+) -> RunCheckpoint | None:
+    """Restore ``groups`` from the newest checkpoint; returns it (state and the named ``blobs``
+    that exist), or None if there is none."""
     latest = Path(output_dir) / "checkpoints" / "latest"
     if not latest.is_file():
         return None
@@ -37,5 +62,9 @@ def load_latest(output_dir: str | Path, groups: dict[str, Any]) -> dict | None:
     state = json.loads((path / "trainer_state.json").read_text())
     for name, group in groups.items():
         group.load_checkpoint(str(path / name))
+    # Blobs are this run's own pickles (samples with their tensors), not foreign files.
+    found = {
+        n: torch.load(path / f"{n}.pt", weights_only=False) for n in blobs if (path / f"{n}.pt").is_file()
+    }
     log.info("resumed from %s at step %d", path, state["step"])
-    return state
+    return RunCheckpoint(path, state, found)

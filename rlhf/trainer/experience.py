@@ -149,7 +149,8 @@ class ExperienceMaker:
         if self.env_factory is not None:
             samples = self._generate_multi_turn(prompts, n, base)
         else:
-            outs = self.rollout.generate([p.token_ids for p in prompts], sampling_params(self.cfg.rollout, n))
+            sampling = {**sampling_params(self.cfg.rollout, n), "seed": self.request_seed(base)}
+            outs = self.rollout.generate([p.token_ids for p in prompts], sampling)
             samples = [
                 build_sample(p, c, group_id=base + i)
                 for i, (p, comps) in enumerate(zip(prompts, outs, strict=True))
@@ -160,6 +161,11 @@ class ExperienceMaker:
         stats.truncated = sum(s.finish_reason == "length" for s in samples)
         return samples, stats
 
+    def request_seed(self, group_base: int, turn: int = 0) -> int:
+        """Sampling seed of a generate call, a function of (train.seed, batch, turn) only: a run
+        samples the same tokens whether its engines were restarted, resumed or run ahead."""
+        return (self.cfg.train.seed * 1_000_003 + group_base * 1_009 + turn * 7_919) % (2**31 - 1)
+
     def _generate_multi_turn(self, prompts: list[Prompt], n: int, base: int) -> list[Sample]:
         """Alternate policy turns (mask 1) and environment observations (mask 0)."""
         max_len = self.cfg.rollout.max_model_len
@@ -169,8 +175,8 @@ class ExperienceMaker:
                 env = self.env_factory()
                 env.reset(p.text, dict(p.info))
                 trajs.append(_Trajectory(p, base + i, env))
-        sampling = sampling_params(self.cfg.rollout, 1)
         for turn in range(self.cfg.env.max_turns):
+            sampling = {**sampling_params(self.cfg.rollout, 1), "seed": self.request_seed(base, turn)}
             last_turn = turn == self.cfg.env.max_turns - 1
             live = [t for t in trajs if not t.done and len(t.ids) < max_len - 1]
             if not live:

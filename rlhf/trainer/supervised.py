@@ -99,8 +99,8 @@ class SupervisedTrainer:
         """Train ``train.epochs`` epochs (or ``train.max_steps``), save ``<output_dir>/final``; return metrics."""
         t = self.cfg.train
         total = self.total_steps
-        if t.resume and (state := load_latest(self.out, {"model": self.group})) is not None:
-            self.step = int(state["step"])  # the batch schedule is seeded: skip what was done
+        if t.resume and (ckpt := load_latest(self.out, {"model": self.group})) is not None:
+            self.step = int(ckpt.state["step"])  # the batch schedule is seeded: skip what was done
         tracker = Tracker(
             str(self.out),
             total,
