@@ -82,13 +82,22 @@ def _changed(before, after) -> bool:
     return any(not (before[k] == after[k]).all() for k in before)
 
 
-def test_dapo_preset_fills_the_batch_with_informative_groups(world, tmp_path):
-    # A binary reward leaves many groups of 2 with equal scores: dynamic sampling must top up.
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_dapo_preset_fills_the_batch_with_informative_groups(world, tmp_path, max_staleness):
+    # A binary reward leaves many groups of 2 with equal scores: dynamic sampling must top up,
+    # also when the rounds of a step are generated ahead of the trainer.
     reward = _reward_file(tmp_path, "float(len(response.split()) % 2)")
-    cfg = _cfg(tmp_path, world["model_dir"], "algorithm=dapo", f"reward.function={reward}")
+    cfg = _cfg(
+        tmp_path,
+        world["model_dir"],
+        "algorithm=dapo",
+        f"reward.function={reward}",
+        f"train.max_staleness={max_staleness}",
+    )
     before = _weights(world)
     history = _fit(world, cfg)
     assert [h["step"] for h in history] == [1, 2]
+    assert [h["rollout/staleness_mean"] for h in history] == [0.0, float(max_staleness)]
     for h in history:
         assert h["dynamic_sampling/groups_kept"] + h["dynamic_sampling/shortfall"] == 4
         assert h["dynamic_sampling/groups_generated"] == 4 * h["dynamic_sampling/rounds"]

@@ -314,3 +314,16 @@ def test_one_step_off_resume_is_exact_with_the_batch_generated_ahead(world, tmp_
     history = resume()
     assert [h["step"] for h in history] == [3]
     assert _numbers(history) == uninterrupted[2:]
+
+
+def test_one_step_off_with_a_multi_turn_environment(world, tmp_path):
+    from rlhf.envs import load_env
+
+    tr = _trainer(
+        world, tmp_path, env={"name": "rlhf.envs.toy:EchoToolEnv", "max_turns": 2}, train={"max_staleness": 1}
+    )
+    tr.maker.env_factory = lambda: load_env("rlhf.envs.toy:EchoToolEnv")
+    history = tr.fit()
+    assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0]
+    assert all(h["rollout/observation_tokens_mean"] > 0 for h in history)
+    assert all(torch.isfinite(torch.tensor(h["policy/loss"])) for h in history)
