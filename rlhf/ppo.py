@@ -24,11 +24,11 @@ def run(cfg: PPOConfig) -> list[dict]:
 
     from rlhf.data.prompts import PromptLoader, load_prompts
     from rlhf.envs import load_env
-    from rlhf.rewards import load_reward_fn
+    from rlhf.rewards import Reward
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir
 
-    reward_fn = load_reward_fn(cfg.reward.function) if cfg.reward.type == "function" else None
+    reward_fn = Reward.from_config(cfg.reward) if cfg.reward.type == "function" else None
     env_factory = None
     if cfg.env.name:
         load_env(cfg.env.name)  # fail now, not mid-rollout, on a bad env.name
@@ -43,14 +43,26 @@ def run(cfg: PPOConfig) -> list[dict]:
         cfg.data.seed,
         cfg.data.max_prompt_len,
         cfg.data.overlong_prompts,
+        cfg.data.label_key,
     )
     if skipped:
         log.warning("skipped %d prompts longer than data.max_prompt_len=%d", skipped, cfg.data.max_prompt_len)
+    eval_prompts = None
+    if cfg.eval.prompts:
+        eval_prompts, _ = load_prompts(
+            cfg.eval.prompts,
+            tok,
+            cfg.data.prompt_key,
+            max_len=cfg.data.max_prompt_len,
+            overlong=cfg.data.overlong_prompts,
+            label_key=cfg.data.label_key,
+        )
+        eval_prompts = eval_prompts[: cfg.eval.max_prompts or None]
     init_ray(cfg.cluster)
     workers = build_workers(cfg, model_dir)
     try:
         loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=cfg.data.seed)
-        return PPOTrainer(cfg, workers, tok, loader, reward_fn, env_factory).fit()
+        return PPOTrainer(cfg, workers, tok, loader, reward_fn, env_factory, eval_prompts).fit()
     finally:
         workers.shutdown()
 

@@ -56,9 +56,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "toy:count" = bundled toy task; otherwise a JSONL file with one prompt per row.
+    # "toy:count" = bundled toy task; else a JSONL or .parquet file, or hf:NAME_OR_DIR[:SPLIT]
+    # (a datasets hub name or save_to_disk dir). Other columns reach the reward as info[...].
     prompts: str = "toy:count"
     prompt_key: str = "prompt"
+    label_key: str = ""  # a column every row must have (e.g. "answer"); "" = no check
     num_toy_prompts: int = 256
     max_prompt_len: int = 64
     overlong_prompts: str = "error"  # error | skip (the number skipped is logged at start-up)
@@ -99,6 +101,10 @@ class RolloutConfig:
 class RewardConfig:
     type: str = "function"  # function | model
     function: str = "rlhf.rewards.toy:count_reward"  # "module:fn" or "path/to/file.py:fn"
+    # Several functions summed with weights (each logged as reward/<fn>); overrides `function`.
+    functions: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # [] = 1 each
+    timeout_s: float = 60.0  # longest one reward call (one sample, or one batch) may take
     model_path: str = ""  # sequence-classification dir when type=model
     non_finite: str = "error"  # error | drop: what a NaN/inf score does
     clip: float = 10.0  # |score| clip after validation (0 = off)
@@ -106,11 +112,17 @@ class RewardConfig:
     def __post_init__(self) -> None:
         _one_of("reward.type", self.type, ("function", "model"))
         _one_of("reward.non_finite", self.non_finite, ("error", "drop"))
+        _check(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        _check(
+            not self.weights or len(self.weights) == len(self.functions),
+            f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions",
+        )
         if self.type == "function":
-            _check(
-                ":" in self.function,
-                f"reward.function={self.function!r} must look like 'module:fn' or 'path/to/file.py:fn'",
-            )
+            for spec in self.functions or [self.function]:
+                _check(
+                    ":" in spec,
+                    f"reward.function={spec!r} must look like 'module:fn' or 'path/to/file.py:fn'",
+                )
         else:
             _check(
                 bool(self.model_path),
@@ -126,6 +138,22 @@ class EnvConfig:
     name: str = ""  # "module:Class" implementing rlhf.envs.base.Env
     max_turns: int = 3
     max_observation_tokens: int = 32
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on the rollout engines (rlhf.trainer.evaluation)."""
+
+    prompts: str = ""  # same formats as data.prompts (data.prompt_key, data.label_key); "" = off
+    every: int = 0  # also every N steps (0 = only before the first step and after the last)
+    n_samples: int = 1  # samples per prompt at the rollout temperature for pass@k (1 = greedy only)
+    success_threshold: float = 1.0  # a response whose reward is >= this counts as correct
+    max_prompts: int = 0  # evaluate on the first N prompts only (0 = all)
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every must be >= 0 (0 = before the first step and after the last)")
+        _check(self.n_samples >= 1, "eval.n_samples must be >= 1")
+        _check(self.max_prompts >= 0, "eval.max_prompts must be >= 0 (0 = all)")
 
 
 @dataclass
@@ -311,6 +339,7 @@ class PPOConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:

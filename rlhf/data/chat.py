@@ -29,8 +29,14 @@ class DataRowError(ValueError):
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataRowError(
+                    f"{path}:{lineno}: not UTF-8 text ({e}); re-encode the file as UTF-8"
+                ) from e
             if not line.strip():
                 continue
             try:
@@ -52,6 +58,8 @@ def messages_field(value, where: str, field: str) -> list[dict]:
     for j, m in enumerate(value):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataRowError(f"{where}: {field}[{j}] must have 'role' and 'content'")
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            raise DataRowError(f"{where}: {field}[{j}] ({m['role']}) has an empty content")
     return value
 
 
@@ -98,19 +106,54 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str = "row") -
     return Sample(input_ids=torch.tensor(ids), action_mask=torch.tensor(mask), info={"where": where})
 
 
+def iter_parquet(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Rows of a Parquet file (verl's data format), numbered from 1; nested columns stay nested."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error types for a file that is not Parquet
+        raise DataRowError(f"{path}: not a readable Parquet file ({e})") from e
+    i = 0
+    for batch in table.iter_batches():
+        for row in batch.to_pylist():
+            i += 1
+            yield i, row
+
+
 def iter_hf(spec: str) -> Iterator[tuple[int, dict]]:
     """Rows of a Hugging Face dataset: ``hf:NAME_OR_DIR`` or ``hf:NAME_OR_DIR:SPLIT`` (default train).
 
-    Needs the optional ``datasets`` package; with ``HF_HUB_OFFLINE=1`` only local or cached
-    datasets load.
+    A directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` loads with
+    ``load_from_disk``; anything else with ``load_dataset`` (with ``HF_HUB_OFFLINE=1`` only
+    local or cached datasets).
     """
-    try:
-        import datasets
-    except ImportError as e:
-        raise DataRowError(f"data source {spec!r} needs the `datasets` package: pip install datasets") from e
+    import datasets
+
     name, _, split = spec[len("hf:") :].partition(":")
-    for i, row in enumerate(datasets.load_dataset(name, split=split or "train"), 1):
+    split = split or "train"
+    if Path(name).is_dir() and any((Path(name) / f).is_file() for f in ("state.json", "dataset_dict.json")):
+        ds = datasets.load_from_disk(name)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataRowError(f"data source {spec!r}: no split {split!r} (splits: {', '.join(ds)})")
+            ds = ds[split]
+    else:
+        try:
+            ds = datasets.load_dataset(name, split=split)
+        except Exception as e:  # datasets raises many kinds; the message is what matters
+            raise DataRowError(f"data source {spec!r}: cannot load ({type(e).__name__}: {e})") from e
+    for i, row in enumerate(ds, 1):
         yield i, dict(row)
+
+
+def iter_file_rows(source: str) -> Iterator[tuple[int, dict]]:
+    """Rows of ``hf:...``, a ``.parquet`` file or a JSONL file, numbered from 1."""
+    if source.startswith("hf:"):
+        return iter_hf(source)
+    if not Path(source).is_file():
+        raise DataRowError(f"{source!r}: no such file (or use toy:count / hf:NAME)")
+    return iter_parquet(source) if source.endswith(".parquet") else iter_jsonl(source)
 
 
 def iter_rows(source: str | Path, kind: str, num_toy: int = 256, seed: int = 0) -> Iterator[tuple[int, dict]]:
@@ -124,12 +167,12 @@ def iter_rows(source: str | Path, kind: str, num_toy: int = 256, seed: int = 0) 
         yield from enumerate(rows, 1)
     elif source.startswith("toy:"):
         raise DataRowError(f"data.path={source!r}: unknown toy task (available: toy:count)")
-    elif source.startswith("hf:"):
-        yield from iter_hf(source)
-    elif not Path(source).is_file():
-        raise DataRowError(f"data.path={source!r}: no such file")
     else:
-        yield from iter_jsonl(source)
+        try:
+            rows = iter_file_rows(source)
+        except DataRowError as e:
+            raise DataRowError(f"data.path={e}") from e
+        yield from rows
 
 
 def load_sft(

@@ -1,10 +1,11 @@
-"""Prompt sources: the bundled toy tasks and JSONL files, tokenized with the chat template."""
+"""Prompt sources: the bundled toy task, JSONL, Parquet and Hugging Face datasets, tokenized
+with the chat template. Every column of a row other than the prompt travels untouched to the
+reward and the environment as ``Prompt.info`` (e.g. ``info["answer"]``), plus ``index``."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 @dataclass
@@ -24,19 +25,26 @@ def toy_count_messages(n: int, seed: int) -> list[list[dict]]:
     return [[{"role": "user", "content": count_prompt(rng)[0]}] for _ in range(n)]
 
 
-def read_prompt_rows(source: str, key: str) -> list[list[dict]]:
-    """Prompts from a JSONL file or ``hf:NAME[:SPLIT]``: rows ``{key: "text"}`` or
-    ``{key: [{"role": ..., "content": ...}, ...]}``. Errors name the row and the field."""
-    from rlhf.data.chat import DataRowError, iter_hf, iter_jsonl, messages_field
+def read_prompt_rows(source: str, key: str, label_key: str = "") -> list[tuple[list[dict], dict]]:
+    """``(messages, other columns)`` per row of a JSONL/Parquet file or ``hf:NAME[:SPLIT]``: the
+    prompt column holds ``"text"`` or ``[{"role": ..., "content": ...}, ...]``. Errors name the
+    file:line (or row) and the column; ``label_key`` names a column every row must have."""
+    from rlhf.data.chat import DataRowError, iter_file_rows, messages_field
 
-    if not source.startswith("hf:") and not Path(source).is_file():
-        raise DataRowError(f"data.prompts={source!r}: no such file (or use toy:count / hf:NAME)")
+    try:
+        rows_iter = iter_file_rows(source)
+    except DataRowError as e:
+        raise DataRowError(f"data.prompts={e}") from e
     rows = []
-    for lineno, row in iter_hf(source) if source.startswith("hf:") else iter_jsonl(source):
+    for lineno, row in rows_iter:
         where = f"{source}:{lineno}"
         if key not in row:
-            raise DataRowError(f"{where}: missing field {key!r} (set data.prompt_key to the field name)")
-        rows.append(messages_field(row[key], where, key))
+            raise DataRowError(f"{where}: missing column {key!r} (set data.prompt_key to the prompt column)")
+        if label_key and row.get(label_key) is None:
+            raise DataRowError(
+                f"{where}: missing column {label_key!r} (data.label_key); every prompt needs its label"
+            )
+        rows.append((messages_field(row[key], where, key), {k: v for k, v in row.items() if k != key}))
     if not rows:
         raise DataRowError(f"{source}: no prompts found")
     return rows
@@ -50,6 +58,7 @@ def load_prompts(
     seed: int = 0,
     max_len: int | None = None,
     overlong: str = "error",
+    label_key: str = "",
 ) -> tuple[list[Prompt], int]:
     """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``.
 
@@ -57,13 +66,13 @@ def load_prompts(
     ``data.max_prompt_len``; ``"skip"`` drops it and counts it.
     """
     if source == "toy:count":
-        convs = toy_count_messages(num_toy, seed)
+        rows = [(m, {}) for m in toy_count_messages(num_toy, seed)]
     elif source.startswith("toy:"):
         raise ValueError(f"data.prompts={source!r}: unknown toy task (available: toy:count)")
     else:
-        convs = read_prompt_rows(source, key)
+        rows = read_prompt_rows(source, key, label_key)
     prompts, skipped = [], 0
-    for i, msgs in enumerate(convs):
+    for i, (msgs, columns) in enumerate(rows):
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if max_len is not None and len(ids) > max_len:
@@ -74,7 +83,7 @@ def load_prompts(
                 f"prompt {i} has {len(ids)} tokens, more than data.max_prompt_len={max_len}: raise "
                 "data.max_prompt_len (and rollout.max_model_len) or set data.overlong_prompts=skip"
             )
-        prompts.append(Prompt(text=text, token_ids=ids, info={"index": i}))
+        prompts.append(Prompt(text=text, token_ids=ids, info={**columns, "index": columns.get("index", i)}))
     if not prompts:
         raise ValueError(
             f"data.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}"

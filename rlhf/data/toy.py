@@ -45,3 +45,39 @@ def toy_preference_rows(n: int, seed: int = 0) -> list[dict]:
             rejected = " ".join(str(rng.randint(0, 99)) for _ in range(3))
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
+
+
+def count_next_rows(seed: int = 0, eval_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
+    """The count-next skill: every prompt ``"count a .. b"`` (start 0-80, 1-6 numbers) with its
+    answer ``b + 1`` as ``{"prompt", "answer"}`` rows, split at random (seeded) into training
+    and held-out prompts that never appear in training."""
+    rows = [
+        {"prompt": "count " + " ".join(str(start + i) for i in range(k)), "answer": str(start + k)}
+        for start in range(81)
+        for k in range(1, 7)
+    ]
+    random.Random(seed).shuffle(rows)
+    n_eval = round(eval_fraction * len(rows))
+    return rows[n_eval:], rows[:n_eval]
+
+
+_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goro", "Hana")
+_ITEMS = ("apples", "books", "coins", "marbles", "pens", "stamps")
+
+
+def arithmetic_word_problems(n: int, seed: int = 0) -> list[dict]:
+    """GSM8K-style rows ``{"question", "answer", "solution"}``: two-step word problems whose
+    ``answer`` is the final number (the ``#### X`` of a GSM8K solution)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        a, b, c = rng.randint(2, 40), rng.randint(2, 9), rng.randint(1, 30)
+        if rng.random() < 0.5:
+            q = f"{name} has {a} {item} and buys {b} bags of {c} {item} each. How many {item} does {name} have now?"
+            steps, ans = f"{b} * {c} = {b * c}\n{a} + {b * c} = {a + b * c}", a + b * c
+        else:
+            q = f"{name} has {a * b} {item} and shares them equally among {b} friends, then gets {c} more. How many {item} does {name} have?"
+            steps, ans = f"{a * b} / {b} = {a}\n{a} + {c} = {a + c}", a + c
+        rows.append({"question": q, "answer": str(ans), "solution": f"{steps}\n#### {ans}"})
+    return rows

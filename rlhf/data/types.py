@@ -24,8 +24,13 @@ values              [n] float32   critic values (GAE only)
 advantages/returns  [n] float32   filled by the advantage step; 0 off the action mask
 loss_weights        [n] float32   policy-loss weight per token (rollout correction, overlong
                                   filter); 0 = no loss on that token. None = 1 on every action
+prompt              str | None    the prompt text as the engine saw it (chat template applied)
+prompt_len          int | None    tokens of the prompt (the first turn), input_ids[:prompt_len]
+env_reward          float | None  reward given by a multi-turn environment (None = not given)
 finish_reason       str | None    why generation stopped: "stop", "length" (hit the limit)
 weight_version      int | None    policy version (optimizer steps) of the weights that generated it
+info                dict          the dataset row's own columns (e.g. ``answer``), untouched, for
+                                  the reward and the environment; the framework reads none of it
 ==================  ============  ==========================================================
 
 ``FlatBatch`` is many samples concatenated (no padding): per-token fields have shape [T]
@@ -69,6 +74,9 @@ class Sample:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
+    prompt: str | None = None
+    prompt_len: int | None = None
+    env_reward: float | None = None
     finish_reason: str | None = None
     weight_version: int | None = None
     info: dict[str, Any] = field(default_factory=dict)

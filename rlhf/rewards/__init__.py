@@ -1,7 +1,12 @@
-"""Rule-based reward functions: loading by path and safe, validated scoring.
+"""Rule-based reward functions: loading by path, weighted composition, bounded and validated scoring.
 
 A reward function has the signature ``fn(prompt: str, response: str, info: dict) -> float``
-and is named in config as ``"package.module:fn"`` or ``"path/to/file.py:fn"``.
+(``info`` holds the prompt row's own columns, e.g. ``info["answer"]``) and is named in config
+as ``"package.module:fn"`` or ``"path/to/file.py:fn"``. A function decorated with
+:func:`batched` is called once per batch instead, ``fn(prompts, responses, infos) -> list``
+(for remote verifiers and reward services). Every call is bounded by ``reward.timeout_s``.
+Built-in verifiers live in ``rlhf.rewards.verifiers``. Naming a function runs its module's
+code in the driver: only name code you trust.
 """
 
 from __future__ import annotations
@@ -9,14 +14,132 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import numbers
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RewardFn = Callable[[str, str, dict], float]
 
 
 class RewardFunctionError(RuntimeError):
-    """The reward function raised or returned something that is not a finite number."""
+    """The reward function raised, hung, or returned something that is not a finite number."""
+
+
+def batched(fn: Callable) -> Callable:
+    """Mark ``fn(prompts, responses, infos) -> list[float]`` as called once per batch."""
+    fn.batched = True
+    return fn
+
+
+def _call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str) -> Any:
+    """``fn(*args)`` on a daemon thread; a call still running after ``timeout_s`` is an error
+    (the thread is abandoned: Python cannot stop it, but it no longer blocks the run)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="rlhf-reward", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RewardFunctionError(
+            f"{what} did not return within reward.timeout_s={timeout_s:g} s; fix the function "
+            "(or its service), or raise reward.timeout_s"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _as_score(value: Any, what: str) -> float:
+    # A numeric string is refused too: it usually means a parsing bug in the reward.
+    if isinstance(value, numbers.Real) and not isinstance(value, str):
+        return float(value)
+    raise RewardFunctionError(f"{what} returned {value!r} ({type(value).__name__}); it must return a float")
+
+
+@dataclass
+class RewardComponent:
+    """One weighted reward function; ``name`` labels its metric ``reward/<name>``."""
+
+    name: str
+    fn: Callable
+    weight: float = 1.0
+
+    def score(
+        self, prompts: Sequence[str], responses: Sequence[str], infos: Sequence[dict], timeout_s: float
+    ) -> list[float]:
+        """One float per sample. Raises ``RewardFunctionError`` naming the sample on failure."""
+        if getattr(self.fn, "batched", False):
+            out = self._call(
+                self.fn, (list(prompts), list(responses), list(infos)), timeout_s, "batch", prompts, responses
+            )
+            if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+                raise RewardFunctionError(
+                    f"{self.name} (batched) returned {type(out).__name__} of length "
+                    f"{len(out) if hasattr(out, '__len__') else '?'} for {len(prompts)} samples; return one float per sample"
+                )
+            return [_as_score(v, f"{self.name} for sample {i}") for i, v in enumerate(out)]
+        return [
+            _as_score(
+                self._call(self.fn, (p, r, info), timeout_s, f"sample {i}", [p], [r]),
+                f"{self.name} for sample {i}",
+            )
+            for i, (p, r, info) in enumerate(zip(prompts, responses, infos, strict=True))
+        ]
+
+    def _call(self, fn: Callable, args: tuple, timeout_s: float, which: str, prompts, responses) -> Any:
+        what = f"{self.name} on {which}"
+        try:
+            return _call_with_timeout(fn, args, timeout_s, what)
+        except RewardFunctionError:
+            raise
+        except Exception as e:
+            raise RewardFunctionError(
+                f"{what} raised ({type(e).__name__}: {e}); prompt={prompts[0][:80]!r} response={responses[0][:80]!r}. "
+                "Fix the function or make it return a float for this input."
+            ) from e
+
+
+class Reward:
+    """The weighted sum of reward components, each call bounded by ``timeout_s``."""
+
+    def __init__(self, components: Sequence[RewardComponent], timeout_s: float = 60.0):
+        if not components:
+            raise ValueError("a reward needs at least one function")
+        self.components, self.timeout_s = list(components), timeout_s
+
+    @classmethod
+    def from_config(cls, reward_cfg) -> Reward:
+        """``reward.functions`` with ``reward.weights`` (default 1 each), else ``reward.function``."""
+        specs = list(reward_cfg.functions) or [reward_cfg.function]
+        weights = list(reward_cfg.weights) or [1.0] * len(specs)
+        comps = [
+            RewardComponent(_short_name(s), load_reward_fn(s), float(w))
+            for s, w in zip(specs, weights, strict=True)
+        ]
+        return cls(comps, reward_cfg.timeout_s)
+
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], infos: Sequence[dict]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        """Total score per sample and each component's own scores (unweighted)."""
+        parts = {c.name: c.score(prompts, responses, infos, self.timeout_s) for c in self.components}
+        totals = [
+            math.fsum(c.weight * parts[c.name][i] for c in self.components) for i in range(len(prompts))
+        ]
+        return totals, parts
+
+
+def _short_name(spec: str) -> str:
+    return spec.rpartition(":")[2]
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -48,28 +171,14 @@ def score_with_function(
     responses: Sequence[str],
     infos: Sequence[dict],
     fn_name: str = "reward.function",
+    timeout_s: float = 60.0,
 ) -> list[float]:
-    """Call ``fn`` on every sample. Raises ``RewardFunctionError`` naming the sample on failure.
+    """Call one reward function on every sample (see :class:`RewardComponent`).
 
-    Non-finite scores are returned as ``nan`` only through the error path: the caller
-    decides (``reward.non_finite``) whether a NaN fails the step or drops the sample.
+    Non-finite scores are returned as they are: the caller decides (``reward.non_finite``)
+    whether a NaN fails the step or drops the sample.
     """
-    scores = []
-    for i, (p, r, info) in enumerate(zip(prompts, responses, infos, strict=True)):
-        try:
-            s = fn(p, r, info)
-        except Exception as e:
-            raise RewardFunctionError(
-                f"{fn_name} raised on sample {i} ({type(e).__name__}: {e}); prompt={p[:80]!r} "
-                f"response={r[:80]!r}. Fix the function or make it return a float for this input."
-            ) from e
-        try:
-            scores.append(float(s))
-        except (TypeError, ValueError) as e:
-            raise RewardFunctionError(
-                f"{fn_name} returned {s!r} for sample {i}; it must return a float"
-            ) from e
-    return scores
+    return RewardComponent(fn_name, fn).score(prompts, responses, infos, timeout_s)
 
 
 def non_finite_indices(scores: Sequence[float]) -> list[int]:

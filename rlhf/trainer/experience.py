@@ -6,8 +6,9 @@ explicit action mask. Nothing here pads; packing happens inside the model groups
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +17,7 @@ from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.config.schema import PPOConfig, RolloutConfig
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
-from rlhf.rewards import RewardFunctionError, non_finite_indices, score_with_function
+from rlhf.rewards import Reward, RewardComponent, RewardFunctionError, non_finite_indices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,19 +33,25 @@ class RolloutStats:
     truncated: int = 0  # stopped by max_new_tokens / max_model_len
     dropped_non_finite: int = 0
     overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
+    reward_components: dict[str, float] = field(default_factory=dict)  # mean of each weighted part
 
     def merge(self, other: RolloutStats) -> RolloutStats:
         """Counts of two generation rounds of one step (dynamic sampling)."""
         n = self.num_samples + other.num_samples
-        penalty = (
-            self.overlong_penalty_mean * self.num_samples + other.overlong_penalty_mean * other.num_samples
-        ) / max(n, 1)
+
+        def mean(a: float, b: float) -> float:
+            return (a * self.num_samples + b * other.num_samples) / max(n, 1)
+
+        keys = set(self.reward_components) | set(other.reward_components)
         return RolloutStats(
             num_samples=n,
             empty_responses=self.empty_responses + other.empty_responses,
             truncated=self.truncated + other.truncated,
             dropped_non_finite=self.dropped_non_finite + other.dropped_non_finite,
-            overlong_penalty_mean=penalty,
+            overlong_penalty_mean=mean(self.overlong_penalty_mean, other.overlong_penalty_mean),
+            reward_components={
+                k: mean(self.reward_components.get(k, 0.0), other.reward_components.get(k, 0.0)) for k in keys
+            },
         )
 
 
@@ -71,8 +78,10 @@ def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
         # None when the engine was asked for no logprobs: a correction that needs them says so.
         rollout_logprobs=None if lp is None else torch.tensor([0.0] * len(p) + list(lp), dtype=torch.float32),
         group_id=group_id,
+        prompt=prompt.text,
+        prompt_len=len(p),
         finish_reason=completion.get("finish_reason"),
-        info={**prompt.info, "prompt": prompt.text, "prompt_len": len(p)},
+        info=dict(prompt.info),
     )
 
 
@@ -93,19 +102,16 @@ class _Trajectory:
         self.has_logprobs &= logprobs is not None or not action
 
     def to_sample(self) -> Sample:
-        info = {
-            **self.prompt.info,
-            "prompt": self.prompt.text,
-            "prompt_len": len(self.prompt.token_ids),
-            "env_reward": self.env_reward,
-        }
         return Sample(
             input_ids=torch.tensor(self.ids),
             action_mask=torch.tensor(self.mask),
             rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32) if self.has_logprobs else None,
             group_id=self.group_id,
+            prompt=self.prompt.text,
+            prompt_len=len(self.prompt.token_ids),
+            env_reward=self.env_reward,
             finish_reason=self.finish_reason,
-            info=info,
+            info=dict(self.prompt.info),
         )
 
 
@@ -128,12 +134,20 @@ class ExperienceMaker:
         reference: ModelGroup | None = None,
         critic: ModelGroup | None = None,
         reward_model: ModelGroup | None = None,
-        reward_fn: Callable | None = None,
+        reward_fn: Reward | Callable | None = None,
         env_factory: Callable | None = None,
     ):
         self.cfg, self.tok, self.rollout = cfg, tokenizer, rollout
         self.actor, self.reference, self.critic, self.reward_model = actor, reference, critic, reward_model
-        self.reward_fn, self.env_factory = reward_fn, env_factory
+        self.env_factory = env_factory
+        # A plain function (tests, scripts) is a one-component reward with the configured timeout.
+        self.reward: Reward | None = (
+            reward_fn
+            if reward_fn is None or isinstance(reward_fn, Reward)
+            else Reward(
+                [RewardComponent(cfg.reward.function.rpartition(":")[2], reward_fn)], cfg.reward.timeout_s
+            )
+        )
         self.budget = cfg.train.max_tokens_per_microbatch
 
     def generate(
@@ -208,7 +222,7 @@ class ExperienceMaker:
         inf are removed (and counted in ``stats``); with ``error`` such a score fails the step
         before any model is updated.
         """
-        scores = self._rewards(samples)
+        scores = self._rewards(samples, stats)
         bad = set(non_finite_indices(scores))
         if bad:
             if self.cfg.reward.non_finite == "error":
@@ -264,9 +278,9 @@ class ExperienceMaker:
                 setattr(s, name, out.float())
         return samples
 
-    def _rewards(self, samples: list[Sample]) -> list[float]:
+    def _rewards(self, samples: list[Sample], stats: RolloutStats) -> list[float]:
         """Per sample: the environment's reward where it gave one, else the reward model/function."""
-        scores = [s.info.get("env_reward") for s in samples]
+        scores = [s.env_reward for s in samples]
         rest = [i for i, r in enumerate(scores) if r is None]
         if not rest:
             return [float(r) for r in scores]
@@ -274,13 +288,13 @@ class ExperienceMaker:
         if self.reward_model is not None:
             model_scores = [float(o.reshape(-1)[0]) for o in self.reward_model.forward(todo, self.budget)]
         else:
-            model_scores = score_with_function(
-                self.reward_fn,
-                [s.info.get("prompt", "") for s in todo],
-                [self.tok.decode(s.input_ids[s.info.get("prompt_len", 0) :].tolist()) for s in todo],
+            model_scores, parts = self.reward(
+                [s.prompt or "" for s in todo],
+                [self.tok.decode(s.input_ids[s.prompt_len or 0 :].tolist()) for s in todo],
                 [s.info for s in todo],
-                fn_name=f"reward.function={self.cfg.reward.function!r}",
             )
+            if len(parts) > 1:
+                stats.reward_components = {k: math.fsum(v) / len(v) for k, v in parts.items()}
         for i, r in zip(rest, model_scores, strict=True):
             scores[i] = r
         return [float(r) for r in scores]

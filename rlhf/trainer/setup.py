@@ -127,6 +127,11 @@ def model_group(
         ray.util.remove_placement_group(pg)
 
 
+def _log_dir(output_dir: str) -> str:
+    """Workers' INFO logs: ``<output_dir>/logs`` (absolute: workers run in other directories)."""
+    return str((Path(output_dir) / "logs").resolve())
+
+
 def _pg_name(role: str) -> str:
     # Unique: Ray refuses a second live placement group of the same name (two jobs on one
     # cluster, or a test session building workers twice).
@@ -167,6 +172,7 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str) -> RolloutPool:
             "dtype": r.dtype,
             "gpu_memory_utilization": r.gpu_memory_utilization,
             "enforce_eager": r.enforce_eager,
+            "log_dir": _log_dir(cfg.train.output_dir),
         },
         num_cpus_per_engine=c.cpus_per_engine,
         num_gpus_per_engine=c.gpus_per_engine,
@@ -215,6 +221,7 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
                 placements[role],
                 attn_impl=cfg.model.attn_impl,
                 seed=t.seed,
+                log_dir=_log_dir(t.output_dir),
             )
         pool = _rollout_pool(cfg, model_dir)
     except BaseException:

@@ -39,7 +39,9 @@ class Tracker:
             self.wandb = wandb.init(project=wandb_project, config=config or {}, dir=str(self.dir))
         self.jsonl = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """Record ``metrics`` of ``step``; ``advance=False`` for a row that is not a training step
+        (the evaluation before the first step)."""
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self.history.append(row)
         self.jsonl.write(json.dumps(row) + "\n")
@@ -50,10 +52,13 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         shown = {
-            k: f"{metrics[k]:.3g}" for k in ("reward/mean", "kl", "policy/clip_fraction") if k in metrics
+            k: f"{metrics[k]:.3g}"
+            for k in ("reward/mean", "eval/accuracy", "kl", "policy/clip_fraction")
+            if k in metrics
         }
         self.bar.set_postfix(shown)
-        self.bar.update(1)
+        if advance:
+            self.bar.update(1)
         log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
     def close(self) -> None:

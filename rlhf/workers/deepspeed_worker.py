@@ -154,6 +154,8 @@ class ModelWorker:
         settings: the group's ``DeepSpeedSettings``.
         attn_impl: passed to ``rlhf.models.forward.prepare_model_for_packing``.
         seed: torch seed (value-head init, dropout).
+        log_dir: where DeepSpeed's INFO lines go (``<role>-<rank>.log``); the console keeps
+            warnings. None leaves its logging as it is.
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class ModelWorker:
         settings: DeepSpeedSettings | None = None,
         attn_impl: str = "auto",
         seed: int = 0,
+        log_dir: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -180,6 +183,9 @@ class ModelWorker:
         )
         import deepspeed
 
+        from rlhf.workers.logs import route_worker_logs
+
+        route_worker_logs(log_dir and f"{log_dir}/{role}-{rank}.log")
         self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
         self.settings = settings or DeepSpeedSettings()
         self.trainable = role in TRAINABLE_ROLES or (role == "reward" and self.settings.lr > 0)

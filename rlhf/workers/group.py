@@ -115,6 +115,7 @@ class ModelGroup:
         attn_impl: attention implementation for the packed forward.
         seed: torch seed on every rank.
         env_vars: extra environment variables for the worker processes.
+        log_dir: where the ranks write DeepSpeed's INFO lines (None: to the console).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class ModelGroup:
         attn_impl: str = "auto",
         seed: int = 0,
         env_vars: dict[str, str] | None = None,
+        log_dir: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -148,7 +150,16 @@ class ModelGroup:
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._driver_node, soft=False)
             self.workers.append(
                 remote_cls.options(**opts, runtime_env={"env_vars": env}).remote(
-                    role, str(model_dir), r, num_ranks, master_addr, master_port, settings, attn_impl, seed
+                    role,
+                    str(model_dir),
+                    r,
+                    num_ranks,
+                    master_addr,
+                    master_port,
+                    settings,
+                    attn_impl,
+                    seed,
+                    log_dir,
                 )
             )
         # A rank that fails to start kills the others (they would wait in the rendezvous).

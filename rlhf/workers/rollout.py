@@ -42,9 +42,11 @@ weight-transfer engine (``extra={"weight_transfer_config": {"backend": "nccl"}}`
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -190,6 +192,8 @@ class RolloutEngine:
         tensor_parallel_size: GPUs per engine; >1 needs a multi-process executor
             (``extra={"distributed_executor_backend": "ray"}``) and is untested here.
         extra: more ``vllm.LLM`` keyword arguments, e.g. ``{"weight_transfer_config": {"backend": "nccl"}}``.
+        log_dir: where vLLM's INFO lines go (``engine-<pid>.log``); the console keeps warnings.
+            None leaves vLLM's logging as it is.
     """
 
     def __init__(
@@ -202,6 +206,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         tensor_parallel_size: int = 1,
         extra: dict[str, Any] | None = None,
+        log_dir: str | None = None,
     ) -> None:
         t0 = time.perf_counter()
         if not torch.cuda.is_available():
@@ -209,6 +214,14 @@ class RolloutEngine:
             for key, value in engine_env(0).items():
                 os.environ.setdefault(key, value)
             _request_amx_permission()
+        if log_dir:
+            # vLLM's documented hook; it (re)configures its loggers when the engine starts.
+            from rlhf.workers.logs import vllm_logging_config
+
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            conf = Path(log_dir) / f"vllm-logging-{os.getpid()}.json"
+            conf.write_text(json.dumps(vllm_logging_config(Path(log_dir) / f"engine-{os.getpid()}.log")))
+            os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf)
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(

@@ -52,3 +52,73 @@ def test_non_float_reward_is_an_error():
 
 def test_non_finite_indices():
     assert non_finite_indices([1.0, math.nan, math.inf, -2.0]) == [1, 2]
+
+
+def test_numeric_string_is_an_error_naming_the_sample():
+    with pytest.raises(RewardFunctionError, match="sample 1 returned '0.5'"):
+        score_with_function(lambda p, r, i: 1.0 if r == "a" else "0.5", ["p", "p"], ["a", "b"], [{}, {}])
+
+
+def test_a_hanging_reward_fails_within_the_timeout_naming_it():
+    import time
+
+    def hangs(p, r, info):
+        time.sleep(30)
+        return 1.0
+
+    t0 = time.perf_counter()
+    with pytest.raises(
+        RewardFunctionError, match=r"hangs on sample 0 did not return within reward.timeout_s=0.2"
+    ):
+        score_with_function(hangs, ["p"], ["r"], [{}], fn_name="hangs", timeout_s=0.2)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_weighted_components_and_a_batched_function():
+    from rlhf.rewards import Reward, RewardComponent, batched
+
+    calls = []
+
+    @batched
+    def lengths(prompts, responses, infos):
+        calls.append(len(responses))
+        return [float(len(r)) for r in responses]
+
+    def answer(p, r, info):
+        return float(r == info["answer"])
+
+    reward = Reward([RewardComponent("answer", answer, 0.9), RewardComponent("lengths", lengths, 0.1)])
+    totals, parts = reward(
+        ["p", "p", "p"], ["3", "44", "3"], [{"answer": "3"}, {"answer": "3"}, {"answer": "4"}]
+    )
+    assert calls == [3]  # one call for the batch
+    assert parts == {"answer": [1.0, 0.0, 0.0], "lengths": [1.0, 2.0, 1.0]}
+    assert totals == pytest.approx([0.9 + 0.1, 0.2, 0.1])
+
+
+def test_a_batched_function_must_return_one_score_per_sample():
+    from rlhf.rewards import Reward, RewardComponent, batched
+
+    reward = Reward([RewardComponent("short", batched(lambda p, r, i: [1.0]))])
+    with pytest.raises(
+        RewardFunctionError, match="short \\(batched\\) returned list of length 1 for 2 samples"
+    ):
+        reward(["p", "p"], ["a", "b"], [{}, {}])
+
+
+def test_reward_from_config(tmp_path):
+    from rlhf.config import ConfigError, compose
+    from rlhf.rewards import Reward
+
+    cfg = compose(
+        "ppo",
+        [
+            "reward.functions=[rlhf.rewards.verifiers:exact_match_reward,rlhf.rewards.verifiers:format_reward]",
+            "reward.weights=[1.0,0.5]",
+        ],
+    )
+    reward = Reward.from_config(cfg.reward)
+    totals, parts = reward(["q"], ["#### 7"], [{"answer": "7"}])
+    assert totals == [1.5] and set(parts) == {"exact_match_reward", "format_reward"}
+    with pytest.raises(ConfigError, match="reward.weights has 1 entries for 2"):
+        compose("ppo", ["reward.functions=[a:b,c:d]", "reward.weights=[1.0]"])

@@ -107,7 +107,7 @@ def test_experience_contract(world, tmp_path, temperature):
     assert len(samples) == 4 * 2 and stats.num_samples == 8
     samples = tr.maker.score(samples, stats)
     for s in samples:
-        p = s.info["prompt_len"]
+        p = s.prompt_len
         # prompt tokens are never actions; every generated token is
         assert not s.action_mask[:p].any() and s.action_mask[p:].all()
         assert s.input_ids[:p].tolist() == prompts[s.group_id % 4].token_ids
@@ -221,7 +221,8 @@ def test_empty_response_trains_without_nan(world, tmp_path):
         action_mask=torch.zeros(len(p), dtype=torch.bool),
         rollout_logprobs=torch.zeros(len(p)),
         group_id=samples[0].group_id,
-        info={"prompt": world["prompts"][0].text, "prompt_len": len(p)},
+        prompt=world["prompts"][0].text,
+        prompt_len=len(p),
     )
     samples = tr.maker.score([*samples, empty], stats)
     advantage_step(samples, tr.cfg.algorithm)
@@ -327,3 +328,50 @@ def test_one_step_off_with_a_multi_turn_environment(world, tmp_path):
     assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0]
     assert all(h["rollout/observation_tokens_mean"] > 0 for h in history)
     assert all(torch.isfinite(torch.tensor(h["policy/loss"])) for h in history)
+
+
+# -- labelled prompts, verifiers, held-out evaluation ---------------------------------------------
+
+
+def test_labelled_parquet_prompts_reach_the_reward_and_eval_reports_accuracy(world, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf.rewards import Reward, RewardComponent
+    from rlhf.rewards.verifiers import format_reward
+    from rlhf.trainer.ppo_trainer import PPOTrainer
+
+    rows = [{"prompt": f"count {i} {i + 1}", "answer": str(i + 2), "meta": {"i": i}} for i in range(12)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    seen = []
+
+    def label_reward(prompt, response, info):
+        # the row's own columns arrive untouched: the label matches the prompt it belongs to
+        assert info["answer"] == str(info["meta"]["i"] + 2) and f"count {info['meta']['i']} " in prompt
+        seen.append(info["answer"])
+        return float(response.split()[:1] == [info["answer"]])
+
+    from rlhf.data.prompts import PromptLoader, load_prompts
+
+    prompts, _ = load_prompts(str(tmp_path / "train.parquet"), world["tok"], label_key="answer")
+    cfg = world["cfg"]
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, output_dir=str(tmp_path), num_steps=2),
+        eval=dataclasses.replace(cfg.eval, prompts="set", every=1, n_samples=3, success_threshold=0.9),
+    )
+    reward = Reward(
+        [RewardComponent("label_reward", label_reward, 0.9), RewardComponent("format", format_reward, 0.1)]
+    )
+    loader = PromptLoader(prompts[:8], cfg.train.rollout_batch_size, seed=0)
+    history = PPOTrainer(cfg, world["workers"], world["tok"], loader, reward, eval_prompts=prompts[8:]).fit()
+    assert [h["step"] for h in history] == [0, 1, 2]  # evaluated before the first step, then every step
+    for h in history:
+        assert 0.0 <= h["eval/accuracy"] <= 1.0 and 0.0 <= h["eval/pass@1"] <= h["eval/pass@3"] <= 1.0
+        assert h["eval/response_length"] > 0 and h["eval/time_s"] > 0
+    for h in history[1:]:
+        assert {"reward/label_reward", "reward/format"} <= h.keys()
+        assert h["reward/mean"] == pytest.approx(
+            0.9 * h["reward/label_reward"] + 0.1 * h["reward/format"], abs=1e-6
+        )
+    assert seen and set(seen) <= {r["answer"] for r in rows}

@@ -1,0 +1,40 @@
+"""Write the bundled arithmetic word problems as Parquet (train and held-out test), the layout
+of a GSM8K user's own files: ``question`` (the prompt), ``answer`` (the final number) and
+``solution``.
+
+    python -m rlhf.data.make_arith --out data/arith     # then: python -m rlhf.ppo experiment=rlvr_math
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rlhf.data.toy import arithmetic_word_problems
+
+
+def write(out: str | Path, num_train: int = 2000, num_test: int = 200, seed: int = 0) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = arithmetic_word_problems(num_train + num_test, seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"train": out / "train.parquet", "test": out / "test.parquet"}
+    pq.write_table(pa.Table.from_pylist(rows[:num_train]), files["train"])
+    pq.write_table(pa.Table.from_pylist(rows[num_train:]), files["test"])
+    return files
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="data/arith")
+    p.add_argument("--num-train", type=int, default=2000)
+    p.add_argument("--num-test", type=int, default=200)
+    args = p.parse_args()
+    for split, path in write(args.out, args.num_train, args.num_test).items():
+        print(f"{split}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Built-in verifiable rewards: plain reward functions ``fn(prompt, response, info) -> float``.
+
+Each reads the ground truth from the dataset row's own column, ``info["answer"]`` by default
+(a prompt file's other columns reach the reward untouched, see ``rlhf.data.prompts``). Name
+one in config as ``reward.function=rlhf.rewards.verifiers:math_verify_reward``, or combine
+several with weights (``reward.functions`` / ``reward.weights``).
+
+- :func:`math_verify_reward`: answer equivalence by the ``math-verify`` library (LaTeX,
+  fractions, sets, ``\\boxed{}``), 1.0 or 0.0.
+- :func:`exact_match_reward`: the extracted final answer equals the label as a string.
+- :func:`numeric_match_reward`: the extracted final answer equals the label as a number.
+- :func:`format_reward`: 1.0 when the response states a final answer in a recognised form.
+
+Final-answer extraction (:func:`extract_answer`), first match wins: ``#### X`` (GSM8K),
+``\\boxed{X}`` (MATH), else the last number in the response.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = [
+    "exact_match_reward",
+    "extract_answer",
+    "format_reward",
+    "math_verify_reward",
+    "numeric_match_reward",
+]
+
+_HASHES = re.compile(r"####\s*([^\n]+)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_MARKUP = re.compile(r"<\|?[A-Za-z_/]+\|?>")  # chat-template tokens such as <eos> or <|im_end|>
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, braces balanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            if depth == 0:
+                return text[i:j].strip()
+            depth -= 1
+    return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The response's final answer (``#### X``, ``\\boxed{X}``, or the last number), or None."""
+    text = _MARKUP.sub(" ", response)
+    m = _HASHES.findall(text)
+    if m:
+        return m[-1].strip()
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def _label(info: dict, key: str) -> str:
+    if key not in info or info[key] is None:
+        raise KeyError(
+            f"the verifier needs the label column {key!r} in the prompt data (info has {sorted(info)}); "
+            "set data.label_key to check every row up front"
+        )
+    label = info[key]
+    # GSM8K stores the whole solution: its final answer follows '####'.
+    return extract_answer(label) or str(label) if isinstance(label, str) and "####" in label else str(label)
+
+
+def _to_number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    text = text.strip().rstrip(".").replace(",", "").replace("$", "")
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def exact_match_reward(prompt: str, response: str, info: dict, key: str = "answer") -> float:
+    """1.0 when the extracted final answer equals ``info[key]`` (whitespace-trimmed), else 0.0."""
+    answer = extract_answer(response)
+    return float(answer is not None and answer.strip() == _label(info, key).strip())
+
+
+def numeric_match_reward(
+    prompt: str, response: str, info: dict, key: str = "answer", rel_tol: float = 1e-6
+) -> float:
+    """1.0 when the extracted final answer and ``info[key]`` are the same number, else 0.0."""
+    got, want = _to_number(extract_answer(response)), _to_number(_label(info, key))
+    if want is None:
+        raise ValueError(f"label {info[key]!r} in column {key!r} is not a number; use exact_match_reward")
+    return float(got is not None and math.isclose(got, want, rel_tol=rel_tol, abs_tol=1e-9))
+
+
+def math_verify_reward(prompt: str, response: str, info: dict, key: str = "answer") -> float:
+    """1.0 when ``math-verify`` finds the response's answer equivalent to ``info[key]``, else 0.0."""
+    from math_verify import parse, verify
+
+    label = _label(info, key)
+    gold = parse(label if "$" in label or "\\" in label else f"${label}$")
+    answer = extract_answer(response)
+    if answer is None or not gold:
+        return 0.0
+    pred = parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
+    return float(bool(pred) and verify(gold, pred))
+
+
+def format_reward(prompt: str, response: str, info: dict) -> float:
+    """1.0 when the response states its final answer as ``#### X`` or ``\\boxed{X}``, else 0.0."""
+    text = _MARKUP.sub(" ", response)
+    return float(bool(_HASHES.search(text)) or _boxed(text) is not None)

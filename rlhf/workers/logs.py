@@ -1,0 +1,65 @@
+"""Worker log routing: library INFO lines to a file in the run's output dir, the console (which
+Ray forwards to the driver) keeps warnings and errors only."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+# Loggers with handlers of their own (they do not propagate to the root logger) and the root.
+_OWN_HANDLERS = ("vllm", "DeepSpeed")
+
+
+def route_worker_logs(log_file: str | Path | None) -> None:
+    """Send INFO+ of vLLM, DeepSpeed and everything reaching the root logger to ``log_file``;
+    lower their console handlers to WARNING. ``None`` leaves logging as it is."""
+    if not log_file:
+        return
+    path = Path(log_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(path)
+    fh.setLevel(logging.INFO)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in (*_OWN_HANDLERS, ""):
+        lg = logging.getLogger(name)
+        for h in lg.handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.setLevel(logging.WARNING)
+        if name == "" or not lg.propagate:
+            lg.addHandler(fh)
+    root = logging.getLogger()
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    if not any(
+        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in root.handlers
+    ):
+        console = logging.StreamHandler()
+        console.setLevel(logging.WARNING)
+        root.addHandler(console)
+
+
+def vllm_logging_config(log_file: str | Path) -> dict:
+    """A ``logging.config.dictConfig`` for vLLM (its ``VLLM_LOGGING_CONFIG_PATH``): INFO to
+    ``log_file``, warnings and errors to the console. vLLM applies it when the engine starts,
+    replacing its default console-at-INFO setup."""
+    fmt = {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": fmt},
+        "handlers": {
+            "console": {
+                "class": "logging.StreamHandler",
+                "level": "WARNING",
+                "formatter": "plain",
+                "stream": "ext://sys.stdout",
+            },
+            "file": {
+                "class": "logging.FileHandler",
+                "level": "INFO",
+                "formatter": "plain",
+                "filename": str(log_file),
+            },
+        },
+        "loggers": {"vllm": {"handlers": ["console", "file"], "level": "INFO", "propagate": False}},
+    }
