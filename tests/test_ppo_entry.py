@@ -100,3 +100,30 @@ def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_d
         assert h["policy/num_optimizer_steps"] == 4  # 2 epochs x 2 mini-batches
         assert h["rollout/observation_tokens_mean"] > 0  # the tool turns made it into the samples
     assert history[0]["reward/std"] > 0, "reward-model scores should vary across samples"
+
+
+def test_rlvr_math_example_runs_with_the_math_verifier_and_eval(tmp_path):
+    """The GSM8K recipe in miniature: Parquet question/answer files, two weighted verifiers, pass@k."""
+    from rlhf.data.make_arith import write
+    from rlhf.ppo import run
+
+    files = write(tmp_path / "arith", num_train=32, num_test=8)
+    cfg = compose(
+        "ppo",
+        [
+            "experiment=rlvr_math",
+            f"data.prompts={files['train']}",
+            f"eval.prompts={files['test']}",
+            "train.num_steps=2",
+            "train.rollout_batch_size=4",
+            "rollout.n_samples_per_prompt=2",
+            "eval.n_samples=2",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.tensorboard=false",
+        ],
+    )
+    history = run(cfg)
+    assert [h["step"] for h in history] == [0, 1, 2]
+    for h in history[1:]:
+        assert {"reward/math_verify_reward", "reward/format_reward"} <= h.keys()
+    assert {"eval/accuracy", "eval/pass@1", "eval/pass@2"} <= history[-1].keys()

@@ -104,12 +104,14 @@ def math_verify_reward(prompt: str, response: str, info: dict, key: str = "answe
     from math_verify import parse, verify
 
     label = _label(info, key)
-    gold = parse(label if "$" in label or "\\" in label else f"${label}$")
+    # math-verify's own timeouts use signal.alarm, which works only on the main thread; the
+    # reward call is bounded by reward.timeout_s instead (rlhf.rewards runs it on a thread).
+    gold = parse(label if "$" in label or "\\" in label else f"${label}$", parsing_timeout=None)
     answer = extract_answer(response)
     if answer is None or not gold:
         return 0.0
-    pred = parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
-    return float(bool(pred) and verify(gold, pred))
+    pred = parse(answer if "$" in answer or "\\" in answer else f"${answer}$", parsing_timeout=None)
+    return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
 
 
 def format_reward(prompt: str, response: str, info: dict) -> float:

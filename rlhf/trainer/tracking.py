@@ -59,7 +59,8 @@ class Tracker:
         self.bar.set_postfix(shown)
         if advance:
             self.bar.update(1)
-        log.info("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+        # Every metric of every step is in metrics.jsonl and TensorBoard; the console shows the bar.
+        log.debug("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
     def close(self) -> None:
         self.bar.close()

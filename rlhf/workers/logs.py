@@ -38,6 +38,18 @@ def route_worker_logs(log_file: str | Path | None) -> None:
         root.addHandler(console)
 
 
+# vLLM 0.32's layerwise reload warns at every weight sync that the rotary embedding has no
+# weights to load (it has none: its cos/sin cache is derived). Greedy output after a sync
+# equals HF generate on the same weights (tests/workers/test_rollout.py), so the warning goes
+# to the log file only, not once per sync to the console.
+_HARMLESS = ("RotaryEmbedding: Failed to load weights",)
+
+
+class DropHarmless(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(s in record.getMessage() for s in _HARMLESS)
+
+
 def vllm_logging_config(log_file: str | Path) -> dict:
     """A ``logging.config.dictConfig`` for vLLM (its ``VLLM_LOGGING_CONFIG_PATH``): INFO to
     ``log_file``, warnings and errors to the console. vLLM applies it when the engine starts,
@@ -47,12 +59,14 @@ def vllm_logging_config(log_file: str | Path) -> dict:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"plain": fmt},
+        "filters": {"harmless": {"()": f"{__name__}.DropHarmless"}},  # JSON-able: vLLM reads a file
         "handlers": {
             "console": {
                 "class": "logging.StreamHandler",
                 "level": "WARNING",
                 "formatter": "plain",
                 "stream": "ext://sys.stdout",
+                "filters": ["harmless"],
             },
             "file": {
                 "class": "logging.FileHandler",

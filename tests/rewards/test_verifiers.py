@@ -55,3 +55,12 @@ def test_format_reward():
 def test_missing_label_is_named():
     with pytest.raises(KeyError, match="label column 'answer'"):
         exact_match_reward("", "#### 1", {"index": 0})
+
+
+def test_math_verify_through_the_timeout_wrapper():
+    # the reward runs on a worker thread (reward.timeout_s), where signal-based timeouts fail
+    from rlhf.rewards import score_with_function
+
+    assert score_with_function(
+        math_verify_reward, ["q", "q"], [r"\boxed{0.5}", "#### 2"], [{"answer": "1/2"}] * 2
+    ) == [1.0, 0.0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import logging.config
 
@@ -13,16 +14,19 @@ def test_vllm_logging_config_sends_info_to_the_file_only(tmp_path, monkeypatch):
     console = io.StringIO()
     monkeypatch.setattr("sys.stdout", console)
     log_file = tmp_path / "engine.log"
-    logging.config.dictConfig(vllm_logging_config(log_file))
+    # vLLM reads the config from a JSON file (VLLM_LOGGING_CONFIG_PATH): it must round-trip
+    logging.config.dictConfig(json.loads(json.dumps(vllm_logging_config(log_file))))
     lg = logging.getLogger("vllm.engine")
     try:
         lg.info("engine ready")
         lg.warning("slow step")
+        lg.warning("RotaryEmbedding: Failed to load weights")
         for h in logging.getLogger("vllm").handlers:
             h.flush()
         text = log_file.read_text()
         assert "engine ready" in text and "slow step" in text
         assert "slow step" in console.getvalue() and "engine ready" not in console.getvalue()
+        assert "RotaryEmbedding" in text and "RotaryEmbedding" not in console.getvalue()
     finally:
         for h in list(logging.getLogger("vllm").handlers):
             logging.getLogger("vllm").removeHandler(h)
