@@ -196,9 +196,11 @@ def test_non_finite_reward_error_or_drop(world, tmp_path):
         calls.append(1)
         return float("nan") if len(calls) == 1 else 1.0
 
+    from rlhf.rewards import Reward, RewardComponent
+
     for advantage, dropped in (("gae", 1), ("grpo", 2)):
         calls.clear()
-        tr.maker.reward_fn = first_is_nan
+        tr.maker.reward = Reward([RewardComponent("first_is_nan", first_is_nan)])
         tr.maker.cfg = dataclasses.replace(
             tr.maker.cfg, algorithm=dataclasses.replace(tr.cfg.algorithm, advantage=advantage)
         )
