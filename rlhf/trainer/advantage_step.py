@@ -11,7 +11,7 @@ import torch
 
 from rlhf.algorithms.correction import mismatch_stats, rollout_correction_weights
 from rlhf.algorithms.kl import kl_estimator
-from rlhf.algorithms.masking import masked_mean, masked_whiten
+from rlhf.algorithms.masking import masked_mean, masked_whiten, segment_ids
 from rlhf.algorithms.registry import ESTIMATORS, AdvantageInputs
 from rlhf.config.schema import AlgorithmConfig
 from rlhf.data.packing import concat, unpack
@@ -98,14 +98,10 @@ def compute_loss_weights(
     if cfg.overlong_filter:
         if weights is None:
             weights = mask.float()
-        keep = ~truncated.bool()[_sample_of_token(batch)]
+        keep = ~truncated.bool()[segment_ids(batch.cu_seqlens, batch.num_tokens)]
         weights = torch.where(keep, weights, torch.zeros_like(weights))
         stats["rollout/overlong_filtered"] = float(truncated.float().mean()) if truncated.numel() else 0.0
     return weights, stats
-
-
-def _sample_of_token(batch: FlatBatch) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(batch.num_samples), batch.seqlens)
 
 
 def advantage_step(samples: list[Sample], cfg: AlgorithmConfig) -> dict[str, float]:
