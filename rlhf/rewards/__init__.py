@@ -165,21 +165,5 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def score_with_function(
-    fn: RewardFn,
-    prompts: Sequence[str],
-    responses: Sequence[str],
-    infos: Sequence[dict],
-    fn_name: str = "reward.function",
-    timeout_s: float = 60.0,
-) -> list[float]:
-    """Call one reward function on every sample (see :class:`RewardComponent`).
-
-    Non-finite scores are returned as they are: the caller decides (``reward.non_finite``)
-    whether a NaN fails the step or drops the sample.
-    """
-    return RewardComponent(fn_name, fn).score(prompts, responses, infos, timeout_s)
-
-
 def non_finite_indices(scores: Sequence[float]) -> list[int]:
     return [i for i, s in enumerate(scores) if not math.isfinite(s)]

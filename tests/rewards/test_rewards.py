@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from rlhf.rewards import RewardFunctionError, load_reward_fn, non_finite_indices, score_with_function
+from rlhf.rewards import RewardComponent, RewardFunctionError, load_reward_fn, non_finite_indices
 from rlhf.rewards.toy import count_reward
 
 
@@ -41,13 +41,13 @@ def test_bad_specs_name_the_field(spec, msg):
 def test_raising_reward_names_sample_and_keeps_cause():
     fn = load_reward_fn("rlhf.rewards.toy:always_raises")
     with pytest.raises(RewardFunctionError, match="sample 0") as e:
-        score_with_function(fn, ["p"], ["r"], [{}])
+        RewardComponent("always_raises", fn).score(["p"], ["r"], [{}], timeout_s=60)
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
 def test_non_float_reward_is_an_error():
     with pytest.raises(RewardFunctionError, match="must return a float"):
-        score_with_function(lambda p, r, i: "high", ["p"], ["r"], [{}])
+        RewardComponent("fn", lambda p, r, i: "high").score(["p"], ["r"], [{}], timeout_s=60)
 
 
 def test_non_finite_indices():
@@ -56,7 +56,9 @@ def test_non_finite_indices():
 
 def test_numeric_string_is_an_error_naming_the_sample():
     with pytest.raises(RewardFunctionError, match="sample 1 returned '0.5'"):
-        score_with_function(lambda p, r, i: 1.0 if r == "a" else "0.5", ["p", "p"], ["a", "b"], [{}, {}])
+        RewardComponent("fn", lambda p, r, i: 1.0 if r == "a" else "0.5").score(
+            ["p", "p"], ["a", "b"], [{}, {}], timeout_s=60
+        )
 
 
 def test_a_hanging_reward_fails_within_the_timeout_naming_it():
@@ -70,7 +72,7 @@ def test_a_hanging_reward_fails_within_the_timeout_naming_it():
     with pytest.raises(
         RewardFunctionError, match=r"hangs on sample 0 did not return within reward.timeout_s=0.2"
     ):
-        score_with_function(hangs, ["p"], ["r"], [{}], fn_name="hangs", timeout_s=0.2)
+        RewardComponent("hangs", hangs).score(["p"], ["r"], [{}], timeout_s=0.2)
     assert time.perf_counter() - t0 < 5
 
 

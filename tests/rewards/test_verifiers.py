@@ -59,8 +59,9 @@ def test_missing_label_is_named():
 
 def test_math_verify_through_the_timeout_wrapper():
     # the reward runs on a worker thread (reward.timeout_s), where signal-based timeouts fail
-    from rlhf.rewards import score_with_function
+    from rlhf.rewards import RewardComponent
 
-    assert score_with_function(
-        math_verify_reward, ["q", "q"], [r"\boxed{0.5}", "#### 2"], [{"answer": "1/2"}] * 2
-    ) == [1.0, 0.0]
+    scores = RewardComponent("math", math_verify_reward).score(
+        ["q", "q"], [r"\boxed{0.5}", "#### 2"], [{"answer": "1/2"}] * 2, timeout_s=60
+    )
+    assert scores == [1.0, 0.0]
