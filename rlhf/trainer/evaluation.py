@@ -51,7 +51,7 @@ class Evaluator:
             for i, (p, comps) in enumerate(zip(self.prompts, outs, strict=True))
             for c in comps
         ]
-        flat = self.maker._rewards(samples, RolloutStats())
+        flat = self.maker.rewards(samples, RolloutStats())
         return [flat[i * n : (i + 1) * n] for i in range(len(self.prompts))], [s.num_actions for s in samples]
 
     def run(self) -> dict[str, float]:

@@ -222,7 +222,7 @@ class ExperienceMaker:
         inf are removed (and counted in ``stats``); with ``error`` such a score fails the step
         before any model is updated.
         """
-        scores = self._rewards(samples, stats)
+        scores = self.rewards(samples, stats)
         bad = set(non_finite_indices(scores))
         if bad:
             if self.cfg.reward.non_finite == "error":
@@ -278,7 +278,7 @@ class ExperienceMaker:
                 setattr(s, name, out.float())
         return samples
 
-    def _rewards(self, samples: list[Sample], stats: RolloutStats) -> list[float]:
+    def rewards(self, samples: list[Sample], stats: RolloutStats) -> list[float]:
         """Per sample: the environment's reward where it gave one, else the reward model/function."""
         scores = [s.env_reward for s in samples]
         rest = [i for i, r in enumerate(scores) if r is None]
