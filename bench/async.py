@@ -137,7 +137,8 @@ def main() -> None:
         f"staleness {statistics.fmean(h['rollout/staleness_mean'] for h in h1):.2f}, "
         f"generate {statistics.fmean(h['time/generate_s'] for h in h1):.2f} s/step, "
         f"trainer waited {statistics.fmean(h['time/trainer_wait_s'] for h in h1):.2f} s/step, "
-        f"sync waited {statistics.fmean(h['time/engine_wait_s'] for h in h1):.2f} s/step)"
+        f"sync waited {statistics.fmean(h['time/sync_wait_s'] for h in h1):.2f} s/step, "
+        f"engines idle {statistics.fmean(h['time/engine_wait_s'] for h in h1):.2f} s/step)"
     )
     print(
         f"speed-up: {s1 / results[0][0]:.2f}x   ideal (generate + train) / max: {(gen + train) / max(gen, train):.2f}x"

@@ -159,7 +159,8 @@ class PPOTrainer:
             # from, so no update, and the run goes on (the metrics say so).
             log.warning("step %d: no group with differing rewards; skipping the update", self.step + 1)
             metrics["dynamic_sampling/skipped_update"] = 1.0
-            metrics["time/engine_wait_s"] = self.pipeline.sync(lambda: None, self.step + 1)
+            metrics["time/sync_wait_s"] = self.pipeline.sync(lambda: None, self.step + 1)
+            metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
             metrics["time/step_s"] = time.perf_counter() - t0
             return metrics
         for s in samples:
@@ -168,7 +169,10 @@ class PPOTrainer:
         self.use_behaviour_policy(samples)
         metrics.update(advantage_step(samples, self.cfg.algorithm))
         metrics.update(self.train(samples))
-        metrics["time/engine_wait_s"] = self.pipeline.sync(self.sync_weights, self.step + 1)
+        # The trainer's waits: for its batch (trainer_wait_s) and for the engines to be free
+        # (sync_wait_s); the engines' wait: idle between generations (engine_wait_s).
+        metrics["time/sync_wait_s"] = self.pipeline.sync(self.sync_weights, self.step + 1)
+        metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
         elapsed = time.perf_counter() - t0
         metrics.update(self.rollout_metrics(samples, batch.stats, self.cfg.train.max_tokens_per_microbatch))
         metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed})

@@ -81,7 +81,11 @@ class RolloutPipeline:
                 self._queue.put(self._pending.pop(step))
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.engine_wait_s = 0.0  # producer time spent waiting for the trainer (pacing)
+        # Engines' idle time between two generations (pacing, weight syncs, and in the
+        # synchronous loop the whole score/train phase); handed out by take_engine_idle().
+        self._engine_idle_s = 0.0
+        self._last_generation_end: float | None = None
+        self._idle_lock = threading.Lock()  # not engine_lock: reading it must not wait for a generation
 
     # -- producer ---------------------------------------------------------------------------
     def start(self) -> RolloutPipeline:
@@ -96,19 +100,21 @@ class RolloutPipeline:
     def _produce(self, step: int) -> ProducedBatch:
         """Generate ``step``'s batch; the caller holds ``engine_lock``."""
         version, t0 = self.version, time.perf_counter()
+        if self._last_generation_end is not None:
+            with self._idle_lock:
+                self._engine_idle_s += t0 - self._last_generation_end
         samples, stats, metrics = self.collect(step)
-        return ProducedBatch(step, samples, stats, metrics, version, time.perf_counter() - t0)
+        self._last_generation_end = time.perf_counter()
+        return ProducedBatch(step, samples, stats, metrics, version, self._last_generation_end - t0)
 
     def _run(self) -> None:
         try:
             while self._next < self.num_steps:
-                t0 = time.perf_counter()
                 with self._cv:
                     while not self._stop and not self._may_generate(self._next):
                         self._cv.wait(timeout=1.0)
                     if self._stop:
                         return
-                self.engine_wait_s += time.perf_counter() - t0
                 # Queued under the lock: a checkpoint (drain) sees either no trace of this batch
                 # or the batch together with the loader position after it.
                 with self.engine_lock:
@@ -141,6 +147,12 @@ class RolloutPipeline:
         if item.step != step:
             raise RuntimeError(f"rollout batch order broken: expected step {step + 1}, got {item.step + 1}")
         return item, time.perf_counter() - t0
+
+    def take_engine_idle(self) -> float:
+        """Seconds the engines sat idle between generations since the last call."""
+        with self._idle_lock:
+            idle, self._engine_idle_s = self._engine_idle_s, 0.0
+        return idle
 
     def sync(self, update_weights: Callable[[], None], version: int) -> float:
         """Load the trainer's new weights (``version``) into the engines between two generations;

@@ -290,7 +290,14 @@ def test_one_step_off_with_gae_trains_on_stale_samples_and_syncs(world, tmp_path
     # batch 1 comes from the initial weights; every later one from the weights one step older
     assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0, 1.0]
     for h in history:
-        for key in ("policy/loss", "critic/loss", "reward/mean", "time/engine_wait_s", "time/trainer_wait_s"):
+        for key in (
+            "policy/loss",
+            "critic/loss",
+            "reward/mean",
+            "time/engine_wait_s",
+            "time/trainer_wait_s",
+            "time/sync_wait_s",
+        ):
             assert torch.isfinite(torch.tensor(h[key])), (key, h)
     after = _engines_serve_actor_weights(world)
     assert any(not torch.equal(after[k], before[k]) for k in before)

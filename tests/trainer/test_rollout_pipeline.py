@@ -28,7 +28,7 @@ class Recorder:
         return [f"sample-{step}"], None, {"m": float(step)}
 
 
-def _run(k: int, num_steps: int = 5, train_s: float = 0.01, gen_s: float = 0.01, threaded=None):
+def _run(k: int, num_steps: int = 5, train_s: float = 0.01, gen_s: float = 0.01, threaded=None, idle=None):
     rec = Recorder(gen_s)
     p = RolloutPipeline(rec, k, 0, num_steps, timeout_s=10, threaded=threaded)
     rec.pipeline = p
@@ -41,6 +41,8 @@ def _run(k: int, num_steps: int = 5, train_s: float = 0.01, gen_s: float = 0.01,
             time.sleep(train_s)
             # a sync never lands while a generation is running
             p.sync(lambda: trained.append(("sync", rec.busy.is_set())), step + 1)
+            if idle is not None:
+                idle.append(p.take_engine_idle())
     finally:
         p.close()
     return rec, trained
@@ -63,13 +65,16 @@ def test_generation_never_runs_more_than_k_versions_ahead(k):
 def test_one_step_off_overlaps_generation_with_training():
     # Generation and training take 0.1 s each: one-step-off takes about half the time.
     t0 = time.perf_counter()
-    rec, _ = _run(0, num_steps=6, train_s=0.1, gen_s=0.1, threaded=True)
+    sync_idle, async_idle = [], []
+    rec, _ = _run(0, num_steps=6, train_s=0.1, gen_s=0.1, threaded=True, idle=sync_idle)
     sync_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rec, _ = _run(1, num_steps=6, train_s=0.1, gen_s=0.1)
+    rec, _ = _run(1, num_steps=6, train_s=0.1, gen_s=0.1, idle=async_idle)
     async_s = time.perf_counter() - t0
     assert [v for _, v in rec.generated] == [0, 0, 1, 2, 3, 4]  # batch s+1 made by version s
     assert async_s < 0.8 * sync_s
+    # synchronous: the engines wait through every training phase (0.1 s); one step off: hardly
+    assert sum(sync_idle) > 0.4 and sum(async_idle) < 0.5 * sum(sync_idle)
 
 
 def test_inline_and_threaded_schedules_are_the_same():
