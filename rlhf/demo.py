@@ -157,4 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhf.trainer.run_control import exit_on_preemption
+
+    exit_on_preemption(main, None)

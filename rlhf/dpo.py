@@ -41,7 +41,9 @@ def run(cfg: DPOConfig) -> list[dict]:
 
 @hydra.main(config_path="../conf", config_name="dpo", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(to_object(cfg))
+    from rlhf.trainer.run_control import exit_on_preemption
+
+    exit_on_preemption(run, to_object(cfg))
 
 
 if __name__ == "__main__":

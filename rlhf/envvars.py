@@ -11,8 +11,18 @@ a user may tune (``TUNABLE``).
 from __future__ import annotations
 
 import os
+import sys
 
-__all__ = ["CLUSTER_ENV", "CPU_ENV", "PASSTHROUGH", "TUNABLE", "cpu_env", "engine_env", "model_worker_env"]
+__all__ = [
+    "CLUSTER_ENV",
+    "CPU_ENV",
+    "PASSTHROUGH",
+    "TUNABLE",
+    "cpu_env",
+    "engine_env",
+    "model_worker_env",
+    "torch_extensions_dir",
+]
 
 CLUSTER_ENV = {
     # Cluster nodes usually have no route to the Hub: fail fast on a missing model instead of
@@ -59,11 +69,20 @@ def engine_env(num_gpus: float) -> dict[str, str]:
     return env
 
 
+def torch_extensions_dir() -> str:
+    """Where DeepSpeed's JIT-built ops are cached: ``$TORCH_EXTENSIONS_DIR``, else a directory
+    of this Python environment. torch keeps one build per op name and rebuilds it whenever the
+    compile command changes, and the command holds the environment's include paths: two
+    checkouts sharing ``~/.cache/torch_extensions`` rebuild each other's ops (60-70 s a time)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
+
+
 def model_worker_env(uses_gpu: bool, num_cpus: float) -> dict[str, str]:
     """Env of a DeepSpeed rank: one intra-op thread per CPU it was given."""
     env = {
         "TOKENIZERS_PARALLELISM": CLUSTER_ENV["TOKENIZERS_PARALLELISM"],
         "OMP_NUM_THREADS": str(max(1, int(num_cpus))),
+        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
     if not uses_gpu:
         env["DS_ACCELERATOR"] = cpu_env()["DS_ACCELERATOR"]

@@ -6,7 +6,9 @@ python -m rlhf.ppo algorithm=grpo rollout.num_engines=2
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 import hydra
 from omegaconf import DictConfig
@@ -59,17 +61,61 @@ def run(cfg: PPOConfig) -> list[dict]:
         )
         eval_prompts = eval_prompts[: cfg.eval.max_prompts or None]
     init_ray(cfg.cluster)
-    workers = build_workers(cfg, model_dir)
-    try:
-        loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=cfg.data.seed)
-        return PPOTrainer(cfg, workers, tok, loader, reward_fn, env_factory, eval_prompts).fit()
-    finally:
-        workers.shutdown()
+
+    def attempt(cfg: PPOConfig, recoveries: int) -> list[dict]:
+        workers = build_workers(cfg, model_dir)
+        try:
+            loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=cfg.data.seed)
+            trainer = PPOTrainer(cfg, workers, tok, loader, reward_fn, env_factory, eval_prompts)
+            trainer.run_metrics = {
+                "data/skipped_overlong_prompts": float(skipped),
+                "run/recoveries": float(recoveries),
+            }
+            return trainer.fit()
+        finally:
+            workers.shutdown()
+
+    return with_recovery(attempt, cfg)
+
+
+def with_recovery(attempt: Callable[[PPOConfig, int], list[dict]], cfg: PPOConfig) -> list[dict]:
+    """``attempt(cfg, recoveries)``; when a worker process died, again from the last
+    checkpoint, at most ``train.max_recoveries`` times."""
+    from rlhf.trainer.checkpoint import latest_checkpoint
+    from rlhf.workers.errors import WorkerDied, is_process_death
+
+    t, recoveries = cfg.train, 0
+    while True:
+        try:
+            return attempt(cfg, recoveries)
+        except Exception as e:
+            if not is_process_death(e):
+                raise
+            ckpt = latest_checkpoint(t.output_dir)
+            if recoveries == t.max_recoveries:
+                raise WorkerDied(
+                    f"a worker died and train.max_recoveries={t.max_recoveries} recoveries are used up: {e}\n"
+                    f"The last checkpoint is {ckpt or 'none (the run would start over)'}; run the same command "
+                    "again to continue from it (train.resume=auto)"
+                ) from e
+            log.error(
+                "a worker died: %s\nrecovery %d of %d (train.max_recoveries): rebuilding all workers and "
+                "continuing from %s",
+                e,
+                recoveries + 1,
+                t.max_recoveries,
+                ckpt or "step 0 (no checkpoint yet)",
+            )
+            # From now on this run's own checkpoints are the ones to continue from.
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, resume="auto"))
+            recoveries += 1
 
 
 @hydra.main(config_path="../conf", config_name="ppo", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(to_object(cfg))
+    from rlhf.trainer.run_control import exit_on_preemption
+
+    exit_on_preemption(run, to_object(cfg))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def run(cfg: SFTConfig) -> list[dict]:
 
 @hydra.main(config_path="../conf", config_name="sft", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(to_object(cfg))
+    from rlhf.trainer.run_control import exit_on_preemption
+
+    exit_on_preemption(run, to_object(cfg))
 
 
 if __name__ == "__main__":

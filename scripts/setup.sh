@@ -20,6 +20,8 @@ DS_BUILD_OPS=0 $PIP install --no-build-isolation 'deepspeed==0.19.8'
 $PIP install --no-build-isolation -e '.[cpu,dev]'
 # PyPI's CUDA builds of these break `import vllm` next to the +cpu torch.
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# DeepSpeed JIT-builds an op on a CPU rank's first start; build it now, into this venv's cache.
+"$VENV/bin/python" -m rlhf.workers.prebuild
 "$VENV/bin/python" - <<'PY'
 import torch, vllm, deepspeed, ray, transformers, hydra
 print(f"env ok: torch {torch.__version__} vllm {vllm.__version__} deepspeed {deepspeed.__version__} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -61,9 +62,14 @@ def test_env_helpers(monkeypatch):
     assert cpu_env()["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert engine_env(0)["VLLM_CPU_KVCACHE_SPACE"] == "3" and engine_env(0)["HF_HOME"] == "/tmp/hf"
     assert "DS_ACCELERATOR" not in engine_env(1) and engine_env(1)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     assert model_worker_env(False, 2) == {
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "2",
         "DS_ACCELERATOR": "cpu",
+        # one JIT-op cache per Python environment: checkouts must not rebuild each other's ops
+        "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),
     }
     assert "DS_ACCELERATOR" not in model_worker_env(True, 1)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/opt/ext")  # the image's, or the user's
+    assert model_worker_env(True, 1)["TORCH_EXTENSIONS_DIR"] == "/opt/ext"

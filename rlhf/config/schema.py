@@ -275,8 +275,43 @@ def check_offload_device(train: DeepSpeedConfig, cluster: ClusterConfig) -> None
     )
 
 
+RESUME_MODES = ("auto", "true", "false")
+
+
 @dataclass
-class TrainConfig(DeepSpeedConfig):
+class RunConfig(DeepSpeedConfig):
+    """What every trainer's run shares besides DeepSpeed: where it writes, checkpoints,
+    resuming and stopping (``rlhf.trainer.run_control``)."""
+
+    seed: int = 0
+    output_dir: str = "runs/ppo"
+    # auto = continue from <output_dir>/checkpoints/latest when there is one (a restarted job
+    # resumes); true = there must be one; false = start at step 0 (an earlier run's
+    # checkpoints stay on disk, no longer `latest`).
+    resume: str = "auto"
+    save_every: int = 0  # also checkpoint every N steps (0 = off)
+    save_every_min: float = 5.0  # also checkpoint when this many minutes passed since the last (0 = off)
+    keep_checkpoints: int = 3  # newest checkpoints kept on disk (0 = all)
+    # SIGTERM/SIGINT: finish or set aside the step in flight, checkpoint and exit within this
+    # many seconds (Kubernetes kills a pod 30 s after SIGTERM by default).
+    stop_grace_s: float = 25.0
+    tensorboard: bool = True
+    wandb_project: str = ""  # "" = wandb off
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # YAML/CLI `true`/`false` arrive here as "True"/"False".
+        self.resume = str(self.resume).lower()
+        _one_of("train.resume", self.resume, RESUME_MODES)
+        _check(bool(self.output_dir), "train.output_dir must not be empty")
+        _check(self.save_every >= 0, "train.save_every must be >= 0 (0 = off)")
+        _check(self.save_every_min >= 0, "train.save_every_min must be >= 0 (0 = off)")
+        _check(self.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0 (0 = keep all)")
+        _check(self.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {self.stop_grace_s}")
+
+
+@dataclass
+class TrainConfig(RunConfig):
     num_steps: int = 20
     rollout_batch_size: int = 8  # prompts per step (x n_samples_per_prompt samples)
     ppo_epochs: int = 1
@@ -288,12 +323,9 @@ class TrainConfig(DeepSpeedConfig):
     # (one-step-off for k=1): their weights are at most k versions old, nothing is discarded.
     max_staleness: int = 0
     rollout_timeout_s: float = 3600.0  # longest wait for a rollout batch or for the engines
-    seed: int = 0
-    save_every: int = 0  # 0 = only at the end
-    output_dir: str = "runs/ppo"
-    resume: bool = False  # True = continue from output_dir/checkpoints/latest when present
-    tensorboard: bool = True
-    wandb_project: str = ""  # "" = wandb off
+    # A model group or engine whose process died (killed, OOM-killed, node lost): rebuild all
+    # workers and continue from the last checkpoint, at most this many times per run.
+    max_recoveries: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -305,6 +337,7 @@ class TrainConfig(DeepSpeedConfig):
         _check(self.rollout_timeout_s > 0, "train.rollout_timeout_s must be > 0")
         _check(self.rollout_batch_size >= 1, "train.rollout_batch_size must be >= 1")
         _check(self.max_tokens_per_microbatch >= 16, "train.max_tokens_per_microbatch must be >= 16")
+        _check(self.max_recoveries >= 0, f"train.max_recoveries must be >= 0, got {self.max_recoveries}")
 
 
 @dataclass
@@ -323,11 +356,14 @@ class ClusterConfig:
     gpus_per_worker: float = 0.0
     cpus_per_engine: float = 1.0
     gpus_per_engine: float = 0.0
+    # Longest wait for the cluster to grant the run's CPUs/GPUs and for engines and ranks to start.
+    startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _one_of("cluster.device", self.device, ("cpu", "cuda"))
         for name in ("actor_ranks", "critic_ranks", "ref_ranks", "reward_ranks"):
             _check(getattr(self, name) >= 1, f"cluster.{name} must be >= 1")
+        _check(self.startup_timeout_s > 0, "cluster.startup_timeout_s must be > 0")
 
 
 @dataclass

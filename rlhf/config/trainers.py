@@ -14,8 +14,8 @@ from rlhf.config import register_schema
 from rlhf.config.schema import (
     AGGREGATIONS,
     ClusterConfig,
-    DeepSpeedConfig,
     ModelConfig,
+    RunConfig,
     _check,
     _one_of,
     check_offload_device,
@@ -41,7 +41,7 @@ class ChatDataConfig:
 
 
 @dataclass
-class SupervisedTrainConfig(DeepSpeedConfig):
+class SupervisedTrainConfig(RunConfig):
     epochs: int = 1
     max_steps: int = 0  # cap on optimizer steps; 0 = run every epoch to the end
     batch_size: int = 16  # samples (SFT) or pairs (DPO/RM) per optimizer step
@@ -49,12 +49,7 @@ class SupervisedTrainConfig(DeepSpeedConfig):
     lr: float = 1e-4
     lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at the last step)
     min_lr_ratio: float = 0.0
-    seed: int = 0
     output_dir: str = "runs/sft"  # the trained model lands in <output_dir>/final
-    save_every: int = 0  # checkpoint every N optimizer steps (0 = only the final model)
-    resume: bool = False  # True = continue from <output_dir>/checkpoints/latest when present
-    tensorboard: bool = True
-    wandb_project: str = ""  # "" = wandb off
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,8 +60,6 @@ class SupervisedTrainConfig(DeepSpeedConfig):
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _one_of("train.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(bool(self.output_dir), "train.output_dir must not be empty")
-        _check(self.save_every >= 0, "train.save_every must be >= 0 (0 = only the final model)")
 
 
 @dataclass

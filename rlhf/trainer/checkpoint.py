@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,44 @@ class RunCheckpoint:
     blobs: dict[str, Any] = field(default_factory=dict)
 
 
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The directory ``<output_dir>/checkpoints/latest`` names, or None if there is none."""
+    latest = Path(output_dir) / "checkpoints" / "latest"
+    if not latest.is_file():
+        return None
+    path = latest.parent / latest.read_text().strip()
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(
+            f"{latest} names {path.name}, which has no trainer_state.json: the checkpoint was deleted or "
+            f"is incomplete. Point {latest} at a complete step_<k> directory or remove it to start over"
+        )
+    return path
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest ``step_<k>`` directories (never the one ``latest`` names)."""
+    if keep <= 0:
+        return
+    root = Path(output_dir) / "checkpoints"
+    current = latest_checkpoint(output_dir)
+    steps = sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:])
+    )
+    for old in steps[:-keep]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
     groups: dict[str, Any],
     state: dict,
     blobs: dict[str, Any] | None = None,
+    keep: int = 0,
 ) -> Path:
-    """Save every group in ``groups`` (name -> ``ModelGroup``), ``state`` and ``blobs``; update ``latest``."""
+    """Save every group in ``groups`` (name -> ``ModelGroup``), ``state`` and ``blobs``; update
+    ``latest``; keep the ``keep`` newest checkpoints (0 = all)."""
     root = Path(output_dir) / "checkpoints"
     path = root / f"step_{step}"
     for name, group in groups.items():
@@ -47,6 +78,7 @@ def save_checkpoint(
     tmp.write_text(path.name)
     os.replace(tmp, root / "latest")
     log.info("saved checkpoint %s", path)
+    prune_checkpoints(output_dir, keep)
     return path
 
 
@@ -55,10 +87,9 @@ def load_latest(
 ) -> RunCheckpoint | None:
     """Restore ``groups`` from the newest checkpoint; returns it (state and the named ``blobs``
     that exist), or None if there is none."""
-    latest = Path(output_dir) / "checkpoints" / "latest"
-    if not latest.is_file():
+    path = latest_checkpoint(output_dir)
+    if path is None:
         return None
-    path = latest.parent / latest.read_text().strip()
     state = json.loads((path / "trainer_state.json").read_text())
     for name, group in groups.items():
         group.load_checkpoint(str(path / name))

@@ -18,12 +18,13 @@ from rlhf.data.prompts import Prompt, PromptLoader
 from rlhf.data.types import Sample
 from rlhf.rewards import Reward
 from rlhf.trainer.advantage_step import advantage_step
-from rlhf.trainer.checkpoint import load_latest, save_checkpoint
+from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from rlhf.trainer.dynamic_sampling import collect_informative_groups
 from rlhf.trainer.evaluation import Evaluator
 from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.rollout_pipeline import ProducedBatch, RolloutPipeline
+from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
 from rlhf.trainer.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -102,20 +103,24 @@ class PPOTrainer:
         self.pipeline: RolloutPipeline | None = None
         self.threaded_rollouts: bool | None = None  # None: a producer thread iff max_staleness >= 1
         self.pending_rollouts: list[ProducedBatch] = []  # generated ahead, restored from a checkpoint
+        self.run_metrics: dict[str, float] = {}  # constants of the run logged with every step
+        self.start_step = 0
+        self.tracker: Tracker | None = None
 
     def fit(self) -> list[dict]:
         """generate -> score -> advantages -> train -> sync weights, once per step; with
-        ``train.max_staleness >= 1`` generation runs ahead on a producer thread."""
+        ``train.max_staleness >= 1`` generation runs ahead on a producer thread. Returns the
+        run's metric rows (those of the steps before a resume included).
+
+        Raises:
+            Preempted: SIGTERM/SIGINT arrived; the checkpoint was written first.
+        """
         t = self.cfg.train
-        if t.resume:
+        if resolve_resume(self.out, t.resume) is not None:
             self.try_resume()
-        tracker = Tracker(
-            str(self.out),
-            t.num_steps,
-            t.tensorboard,
-            t.wandb_project,
-            config=asdict(self.cfg),
-            start_step=self.step,
+        self.start_step = self.step
+        self.tracker = tracker = Tracker(
+            str(self.out), t.num_steps, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step
         )
         self.pipeline = RolloutPipeline(
             self.collect,
@@ -126,27 +131,45 @@ class PPOTrainer:
             threaded=self.threaded_rollouts,
             pending=self.pending_rollouts,
         ).start()
+        policy = CheckpointPolicy(t.save_every, t.save_every_min)
         try:
-            if self.evaluator is not None:
-                tracker.log(self.step, self.evaluate(), advance=False)  # the starting point
-            while self.step < t.num_steps:
-                metrics = self.run_step()
-                self.step += 1
-                if self.evaluator is not None and self.eval_due():
-                    metrics.update(self.evaluate())
-                tracker.log(self.step, metrics)
-                if (t.save_every and self.step % t.save_every == 0) or self.step == t.num_steps:
-                    self.save()
-            self.w.actor.save_hf(str(self.out / "final"))  # the trained policy as a HF model dir
+            with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out))) as stop:
+                if self.evaluator is not None and self.step == 0:
+                    tracker.log(self.step, self.evaluate(), advance=False)  # the starting point
+                while self.step < t.num_steps:
+                    self.step_once(tracker, stop)
+                    if policy.due(self.step, self.step == t.num_steps, stop.requested is not None):
+                        self.save()
+                        policy.saved()
+                    if stop.requested is not None and self.step < t.num_steps:
+                        stop.finished()
+                        raise Preempted(stop.requested, self.step, latest_checkpoint(self.out))
+                self.w.actor.save_hf(str(self.out / "final"))  # the trained policy as a HF model dir
         finally:
             self.pipeline.close()
             tracker.close()
         return tracker.history
 
-    def run_step(self) -> dict[str, float]:
-        """take the step's batch -> score -> advantages -> train -> sync weights; returns metrics."""
+    def step_once(self, tracker: Tracker, stop: GracefulStop) -> None:
+        """One training step and its metrics row; with a stop requested before training
+        starts, the step's batch is set aside for the checkpoint instead."""
+        metrics = self.run_step(stop)
+        if metrics is None:
+            return
+        self.step += 1
+        if self.evaluator is not None and self.eval_due():
+            metrics.update(self.evaluate())
+        metrics["rollout/engine_restarts"] = float(sum(self.w.rollout.restarts))
+        tracker.log(self.step, {**metrics, **self.run_metrics})
+
+    def run_step(self, stop: GracefulStop | None = None) -> dict[str, float] | None:
+        """take the step's batch -> score -> advantages -> train -> sync weights; returns metrics
+        (None: a stop was requested, the batch waits in the pipeline for the checkpoint)."""
         t0 = time.perf_counter()
         batch, trainer_wait = self.pipeline.get(self.step)
+        if stop is not None and stop.requested is not None:
+            self.pipeline.set_aside(batch)
+            return None
         samples = batch.samples
         metrics = {
             **batch.metrics,
@@ -298,7 +321,8 @@ class PPOTrainer:
         try:
             state = {"step": self.step, "loader": self.loader.state_dict()}
             blobs = {PENDING_ROLLOUTS: pending} if pending else {}
-            return save_checkpoint(self.out, self.step, self._trained_groups(), state, blobs)
+            keep = self.cfg.train.keep_checkpoints
+            return save_checkpoint(self.out, self.step, self._trained_groups(), state, blobs, keep)
         finally:
             self.pipeline.resume()
 

@@ -118,6 +118,8 @@ class RolloutPipeline:
                 # Queued under the lock: a checkpoint (drain) sees either no trace of this batch
                 # or the batch together with the loader position after it.
                 with self.engine_lock:
+                    if self._stop:
+                        return
                     self._queue.put(self._produce(self._next))
                     self._next += 1
         except BaseException as e:  # handed to the trainer, which raises it with its traceback
@@ -147,6 +149,14 @@ class RolloutPipeline:
         if item.step != step:
             raise RuntimeError(f"rollout batch order broken: expected step {step + 1}, got {item.step + 1}")
         return item, time.perf_counter() - t0
+
+    def set_aside(self, batch: ProducedBatch) -> None:
+        """Give back a batch taken but not trained on (a stop request) and produce no more:
+        the next ``drain`` hands it to the checkpoint with the loader position after it."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._pending[batch.step] = batch
 
     def take_engine_idle(self) -> float:
         """Seconds the engines sat idle between generations since the last call."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,12 +51,21 @@ def init_ray(cluster: ClusterConfig) -> None:
         ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def prepare_model_dir(model_cfg: ModelConfig, output_dir: str) -> str:
     """``model.path``, or a tiny random-init model built once under ``output_dir``."""
     if model_cfg.path:
         if not Path(model_cfg.path, "config.json").is_file():
             raise ValueError(
                 f"model.path={model_cfg.path!r} is not a Hugging Face model directory (no config.json)"
+            )
+        if not any(Path(model_cfg.path, f).is_file() for f in TOKENIZER_FILES):
+            # AutoTokenizer would instead suggest installing sentencepiece.
+            raise ValueError(
+                f"model.path={model_cfg.path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                "base model's tokenizer into it, e.g. AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)"
             )
         return model_cfg.path
     from rlhf.models.tiny import build_tiny_model
@@ -112,12 +122,22 @@ def model_group(
     from rlhf.workers.placement import Placement, create_placement_group
 
     c, t = cfg.cluster, cfg.train
-    pg = create_placement_group(num_ranks, c.cpus_per_worker, c.gpus_per_worker, name=_pg_name(role))
+    check_fits({role: (num_ranks, c.cpus_per_worker, c.gpus_per_worker)}, c)
+    pg = create_placement_group(
+        num_ranks, c.cpus_per_worker, c.gpus_per_worker, timeout_s=c.startup_timeout_s, name=_pg_name(role)
+    )
     try:
         placement = Placement.on_bundles(pg, num_ranks, c.cpus_per_worker, c.gpus_per_worker)
         settings = deepspeed_settings(t, lr, total_steps)
         group = ModelGroup(
-            role, path, num_ranks, settings, placement, attn_impl=cfg.model.attn_impl, seed=t.seed
+            role,
+            path,
+            num_ranks,
+            settings,
+            placement,
+            attn_impl=cfg.model.attn_impl,
+            seed=t.seed,
+            startup_timeout_s=c.startup_timeout_s,
         )
         try:
             yield group
@@ -159,7 +179,7 @@ class Workers:
         self.placement_groups.clear()
 
 
-def _rollout_pool(cfg: PPOConfig, model_dir: str) -> RolloutPool:
+def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
     from rlhf.workers.rollout_pool import RolloutPool
 
     r, c = cfg.rollout, cfg.cluster
@@ -176,65 +196,109 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str) -> RolloutPool:
         },
         num_cpus_per_engine=c.cpus_per_engine,
         num_gpus_per_engine=c.gpus_per_engine,
+        placement_group=pg,
         max_restarts=r.max_restarts,
+        wait=False,
+        startup_timeout_s=c.startup_timeout_s,
+        call_timeout_s=cfg.train.rollout_timeout_s,
     )
 
 
-def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
-    """Rollout engines and DeepSpeed groups placed per ``cluster.*``."""
-    from rlhf.workers.group import ModelGroup
-    from rlhf.workers.placement import Placement, create_placement_group
-
+def _roles(cfg: PPOConfig, model_dir: str) -> list[tuple[str, int, str, float]]:
+    """``(role, ranks, model dir, lr)`` of every DeepSpeed group the run needs."""
     c, a, t = cfg.cluster, cfg.algorithm, cfg.train
-    roles: list[tuple[str, int, str, float]] = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
+    roles = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
     if a.kl_coef > 0:
         roles.append(("reference", c.ref_ranks, model_dir, 0.0))
     if a.uses_critic:
         roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
     if cfg.reward.type == "model":
         roles.append(("reward", c.reward_ranks, cfg.reward.model_path, 0.0))
-    placements: dict[str, Placement] = {}
-    pgs = []
-    groups: dict[str, ModelGroup] = {}
-    try:
-        if c.colocate:
-            # Rank i of every role shares bundle i (OpenRLHF colocation); each actor asks its share.
-            n = max(r[1] for r in roles)
-            k = len(roles)
-            pgs.append(
-                create_placement_group(n, c.cpus_per_worker * k, c.gpus_per_worker * k, name=_pg_name("all"))
+    return roles
+
+
+def _bundles(cfg: PPOConfig, roles: list[tuple[str, int, str, float]]) -> dict[str, tuple[int, float, float]]:
+    """Placement groups to reserve: name -> ``(bundles, CPU per bundle, GPU per bundle)``."""
+    c = cfg.cluster
+    if c.colocate:
+        # Rank i of every role shares bundle i (OpenRLHF colocation); each actor asks its share.
+        k = len(roles)
+        out = {"all": (max(r[1] for r in roles), c.cpus_per_worker * k, c.gpus_per_worker * k)}
+    else:
+        out = {role: (ranks, c.cpus_per_worker, c.gpus_per_worker) for role, ranks, _, _ in roles}
+    out["engines"] = (cfg.rollout.num_engines, c.cpus_per_engine, c.gpus_per_engine)
+    return out
+
+
+def check_fits(bundles: dict[str, tuple[int, float, float]], cluster: ClusterConfig) -> None:
+    """Fail at once when the run asks more CPUs/GPUs than the cluster has in total: waiting
+    could never help. (A remote cluster may be autoscaling: there only the bounded wait for
+    each placement group applies.)"""
+    import ray
+
+    if cluster.address or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return
+    total = ray.cluster_resources()
+    for kind, i in (("CPU", 1), ("GPU", 2)):
+        need = sum(b[0] * b[i] for b in bundles.values())
+        have = total.get(kind, 0.0)
+        if need > have + 1e-9:
+            parts = ", ".join(f"{name} {b[0]}x{b[i]:g}" for name, b in bundles.items() if b[i])
+            raise RuntimeError(
+                f"the run needs {kind}={need:g} ({parts}) and the local Ray has {kind}={have:g} in total: "
+                f"raise cluster.num_cpus (logical CPUs may exceed the cores), or ask less with "
+                "cluster.*_ranks, cluster.cpus_per_worker/cpus_per_engine, rollout.num_engines"
             )
-            for role, ranks, _, _ in roles:
-                placements[role] = Placement.on_bundles(pgs[0], ranks, c.cpus_per_worker, c.gpus_per_worker)
-        else:
-            for role, ranks, _, _ in roles:
-                pgs.append(
-                    create_placement_group(ranks, c.cpus_per_worker, c.gpus_per_worker, name=_pg_name(role))
-                )
-                placements[role] = Placement.on_bundles(pgs[-1], ranks, c.cpus_per_worker, c.gpus_per_worker)
+
+
+def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
+    """Rollout engines and DeepSpeed groups placed per ``cluster.*``, started in parallel."""
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.placement import Placement, create_placement_group
+
+    c, t = cfg.cluster, cfg.train
+    t0 = time.perf_counter()
+    roles = _roles(cfg, model_dir)
+    bundles = _bundles(cfg, roles)
+    check_fits(bundles, c)
+    pgs: dict[str, object] = {}
+    groups: dict[str, ModelGroup] = {}
+    pool = None
+    try:
+        for name, (n, cpus, gpus) in bundles.items():
+            pgs[name] = create_placement_group(
+                n, cpus, gpus, timeout_s=c.startup_timeout_s, name=_pg_name(name)
+            )
         for role, ranks, path, lr in roles:
+            pg = pgs["all" if c.colocate else role]
             groups[role] = ModelGroup(
                 role,
                 path,
                 ranks,
                 deepspeed_settings(t, lr),
-                placements[role],
+                Placement.on_bundles(pg, ranks, c.cpus_per_worker, c.gpus_per_worker),
                 attn_impl=cfg.model.attn_impl,
                 seed=t.seed,
                 log_dir=_log_dir(t.output_dir),
+                wait=False,
             )
-        pool = _rollout_pool(cfg, model_dir)
+        pool = _rollout_pool(cfg, model_dir, pgs["engines"])
+        # Engines and ranks load at the same time; wait for all of them.
+        pool.wait_started()
+        for g in groups.values():
+            g.wait_started(c.startup_timeout_s)
     except BaseException:
         # Free what was reserved so a failed start does not hold the cluster's resources.
         for g in groups.values():
             g.shutdown()
-        Workers(rollout=None, actor=None, placement_groups=pgs).shutdown()
+        Workers(rollout=pool, actor=None, placement_groups=list(pgs.values())).shutdown()
         raise
+    log.info("workers started in %.1f s: %s", time.perf_counter() - t0, ", ".join(groups) + ", engines")
     return Workers(
         rollout=pool,
         actor=groups["actor"],
         reference=groups.get("reference"),
         critic=groups.get("critic"),
         reward_model=groups.get("reward"),
-        placement_groups=pgs,
+        placement_groups=list(pgs.values()),
     )

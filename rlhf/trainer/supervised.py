@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.data.types import Sample
-from rlhf.trainer.checkpoint import load_latest, save_checkpoint
+from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint
+from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
 from rlhf.trainer.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -95,20 +96,26 @@ class SupervisedTrainer:
     def evaluate(self) -> dict[str, float]:
         raise NotImplementedError
 
+    def step_once(self, progress: float, epoch_end: bool, batch: Sequence[Unit]) -> dict[str, float]:
+        """One optimizer step (and the held-out evaluation at an epoch's end); its metrics row."""
+        t0 = time.perf_counter()
+        stats = self.train_step(batch)
+        metrics = {f"train/{k}": v for k, v in stats.items() if k != "num_optimizer_steps"}
+        metrics.update(
+            {"epoch": progress, "time/step_s": time.perf_counter() - t0, "train/units": float(len(batch))}
+        )
+        if (epoch_end or self.step + 1 == self.total_steps) and self.eval_units:
+            metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+        return metrics
+
     def fit(self) -> list[dict]:
         """Train ``train.epochs`` epochs (or ``train.max_steps``), save ``<output_dir>/final``; return metrics."""
         t = self.cfg.train
         total = self.total_steps
-        if t.resume and (ckpt := load_latest(self.out, {"model": self.group})) is not None:
+        if resolve_resume(self.out, t.resume) is not None:
+            ckpt = load_latest(self.out, {"model": self.group})
             self.step = int(ckpt.state["step"])  # the batch schedule is seeded: skip what was done
-        tracker = Tracker(
-            str(self.out),
-            total,
-            t.tensorboard,
-            t.wandb_project,
-            config=asdict(self.cfg),
-            start_step=self.step,
-        )
+        tracker = Tracker(str(self.out), total, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step)
         log.info(
             "%s: %d training units, %d held out, %d optimizer steps",
             type(self).__name__,
@@ -116,27 +123,27 @@ class SupervisedTrainer:
             len(self.eval_units),
             total,
         )
+        policy = CheckpointPolicy(t.save_every, t.save_every_min)
         try:
-            for progress, epoch_end, batch in itertools.islice(self.schedule(), self.step, total):
-                t0 = time.perf_counter()
-                stats = self.train_step(batch)
-                self.step += 1
-                metrics = {f"train/{k}": v for k, v in stats.items() if k != "num_optimizer_steps"}
-                metrics.update(
-                    {
-                        "epoch": progress,
-                        "time/step_s": time.perf_counter() - t0,
-                        "train/units": float(len(batch)),
-                    }
-                )
-                if (epoch_end or self.step == total) and self.eval_units:
-                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-                tracker.log(self.step, metrics)
-                if t.save_every and (self.step % t.save_every == 0 or self.step == total):
-                    save_checkpoint(self.out, self.step, {"model": self.group}, {"step": self.step})
-            final = self.out / "final"
-            self.group.save_hf(str(final))
-            log.info("saved the trained model to %s", final)
+            with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out))) as stop:
+                for progress, epoch_end, batch in itertools.islice(self.schedule(), self.step, total):
+                    tracker.log(self.step + 1, self.step_once(progress, epoch_end, batch))
+                    self.step += 1
+                    if policy.due(self.step, self.step == total, stop.requested is not None):
+                        save_checkpoint(
+                            self.out,
+                            self.step,
+                            {"model": self.group},
+                            {"step": self.step},
+                            keep=t.keep_checkpoints,
+                        )
+                        policy.saved()
+                    if stop.requested is not None and self.step < total:
+                        stop.finished()
+                        raise Preempted(stop.requested, self.step, latest_checkpoint(self.out))
+                final = self.out / "final"
+                self.group.save_hf(str(final))
+                log.info("saved the trained model to %s", final)
         finally:
             tracker.close()
         return tracker.history

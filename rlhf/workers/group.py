@@ -31,6 +31,7 @@ from rlhf.data.types import FlatBatch, Sample
 from rlhf.envvars import model_worker_env
 from rlhf.models.objective import TrainObjective
 from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
+from rlhf.workers.errors import WorkerDied, is_process_death
 from rlhf.workers.placement import Placement
 
 __all__ = ["ModelGroup"]
@@ -84,6 +85,11 @@ def _rendezvous_node(
     return node_addresses[node0], node0
 
 
+def _free_resources() -> str:
+    free = ray.available_resources()
+    return f"CPU={free.get('CPU', 0.0):g}, GPU={free.get('GPU', 0.0):g}"
+
+
 def _combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Average objective stats over ranks weighted by each rank's loss weight."""
     total = sum(s["_weight"] for s in per_rank)
@@ -116,6 +122,8 @@ class ModelGroup:
         seed: torch seed on every rank.
         env_vars: extra environment variables for the worker processes.
         log_dir: where the ranks write DeepSpeed's INFO lines (None: to the console).
+        wait: wait for the ranks to start here (else call ``wait_started``).
+        startup_timeout_s: longest wait for the ranks to be scheduled and load the model.
     """
 
     def __init__(
@@ -129,6 +137,8 @@ class ModelGroup:
         seed: int = 0,
         env_vars: dict[str, str] | None = None,
         log_dir: str | None = None,
+        wait: bool = True,
+        startup_timeout_s: float = 300.0,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -144,6 +154,7 @@ class ModelGroup:
         remote_cls = ray.remote(ModelWorker)
         self.workers: list[Any] = []
         self._failure: str | None = None
+        self._failure_cls: type[RuntimeError] = RuntimeError
         for r in range(num_ranks):
             opts = self.placement.actor_options(r)
             if self.placement.pg is None:
@@ -162,8 +173,18 @@ class ModelGroup:
                     log_dir,
                 )
             )
-        # A rank that fails to start kills the others (they would wait in the rendezvous).
-        self.infos = self._on_all("info")
+        self._start_refs = self._submit("info")
+        self.infos: list[dict[str, Any]] = []
+        if wait:
+            self.wait_started(startup_timeout_s)
+
+    def wait_started(self, timeout_s: float = 300.0) -> ModelGroup:
+        """Wait until every rank has loaded its model (``wait=False`` lets the caller start
+        several groups and engines at once and wait for them together)."""
+        if not self.infos:
+            # A rank that fails to start kills the others (they would wait in the rendezvous).
+            self.infos = self._gather(self._start_refs, "start", timeout_s=timeout_s)
+        return self
 
     def _rendezvous(self) -> tuple[str, int]:
         """Address and a free port on the node of rank 0 (loopback if all ranks are on the driver's)."""
@@ -182,7 +203,8 @@ class ModelGroup:
         else:
             strategy = NodeAffinitySchedulingStrategy(node, soft=False)
             port = ray.get(
-                _remote_free_port.options(scheduling_strategy=strategy).remote(sorted(_ISSUED_PORTS))
+                _remote_free_port.options(scheduling_strategy=strategy).remote(sorted(_ISSUED_PORTS)),
+                timeout=60,  # a zero-CPU task: only a lost node keeps it from running
             )
         _ISSUED_PORTS.add(port)
         return addr, port
@@ -197,7 +219,7 @@ class ModelGroup:
 
     def _submit(self, method: str, *args: Any, per_rank: Sequence[Any] | None = None) -> list[Any]:
         if self._failure is not None:
-            raise RuntimeError(
+            raise self._failure_cls(
                 f"ModelGroup({self.role}) is dead after an earlier failure ({self._failure}); "
                 "create a new group"
             )
@@ -206,27 +228,50 @@ class ModelGroup:
             for r, w in enumerate(self.workers)
         ]
 
-    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+    def _gather(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+        """Results in rank order. ``timeout_s`` bounds waits that need no peer to fail first
+        (start-up: a rank the cluster cannot schedule would wait forever); collectives are
+        bounded by ``dist_timeout_s`` on the ranks."""
         rank_of = {ref: r for r, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not done:
+                waiting = sorted(rank_of[p] for p in pending)
+                self._fail(
+                    f"{what} not done on ranks {waiting} after {timeout_s:.0f} s",
+                    TimeoutError(
+                        f"ranks {waiting} of ModelGroup({self.role}) are not running after {timeout_s:.0f} s: "
+                        f"each asks {self.placement.num_cpus:g} CPU and {self.placement.num_gpus:g} GPU; "
+                        f"the cluster has {_free_resources()} free. Give the cluster more CPUs/GPUs "
+                        "(cluster.num_cpus for a local Ray) or ask less (cluster.*_ranks, cpus_per_worker); "
+                        "raise cluster.startup_timeout_s if the model is just slow to load"
+                    ),
+                    RuntimeError,
+                )
             r = rank_of[done[0]]
             try:
                 results[r] = ray.get(done[0])
             except Exception as e:
-                self._failure = f"{what} failed on rank {r}"
-                for w in self.workers:
-                    ray.kill(w)
-                # A RayTaskError's text is the whole remote traceback (kept in the chain).
-                cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
-                raise RuntimeError(
-                    f"ModelGroup({self.role}): {what} failed on rank {r} of {self.num_ranks}: "
-                    f"{type(cause).__name__}: {cause}\nAll workers of the group were killed (the other ranks "
-                    "would block in collectives until dist_timeout_s); the group is unusable now."
-                ) from e
+                self._fail(
+                    f"{what} failed on rank {r} of {self.num_ranks}",
+                    e,
+                    WorkerDied if is_process_death(e) else RuntimeError,
+                )
         return results
+
+    def _fail(self, what: str, e: BaseException, cls: type[RuntimeError]) -> None:
+        self._failure, self._failure_cls = what, cls
+        for w in self.workers:
+            ray.kill(w)
+        # A RayTaskError's text is the whole remote traceback (kept in the chain).
+        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+        raise cls(
+            f"ModelGroup({self.role}): {what}: {type(cause).__name__}: {cause}\n"
+            "All workers of the group were killed (the other ranks would block in collectives until "
+            "dist_timeout_s); the group is unusable now."
+        ) from e
 
     # -------------------------------------------------------------- data flow
     def _deal(self, micro_batches: list[FlatBatch]) -> list[list[FlatBatch | None]]:

@@ -52,10 +52,12 @@ from typing import Any
 import torch
 
 from rlhf.envvars import engine_env
+from rlhf.workers.errors import WorkerDied
 
 __all__ = [
     "SAMPLING_KEYS",
     "RolloutEngine",
+    "RolloutEngineDied",
     "RolloutEngineError",
     "check_sampling",
     "default_engine_env",
@@ -84,6 +86,10 @@ SAMPLING_KEYS = frozenset(
 
 class RolloutEngineError(RuntimeError):
     """A rollout engine failed (and, for a dead engine, failed again after one restart)."""
+
+
+class RolloutEngineDied(RolloutEngineError, WorkerDied):
+    """An engine process died more often than ``rollout.max_restarts`` allows in one call."""
 
 
 def default_engine_env(num_gpus: float) -> dict[str, str]:

@@ -6,14 +6,17 @@ See ``rlhf.workers.rollout`` for the engine, the completion format, logprob and 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from rlhf.data.packing import shard_bounds
+from rlhf.workers.errors import is_process_death
 from rlhf.workers.rollout import (
     RolloutEngine,
+    RolloutEngineDied,
     RolloutEngineError,
     _per_prompt_seeds,
     check_sampling,
@@ -21,21 +24,7 @@ from rlhf.workers.rollout import (
     validate_prompts,
 )
 
-
-def _is_engine_death(exc: BaseException) -> bool:
-    """True if ``exc`` means the engine is gone (actor died, or vLLM's engine core died inside it)."""
-    import ray
-
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return True
-    cause: BaseException | None = exc
-    for _ in range(8):  # RayTaskError -> .cause -> __cause__ chains are short; never loop forever
-        if cause is None:
-            break
-        if type(cause).__name__ == "EngineDeadError":
-            return True
-        cause = getattr(cause, "cause", None) or cause.__cause__
-    return False
+log = logging.getLogger("rlhf")
 
 
 class RolloutPool:
@@ -51,10 +40,13 @@ class RolloutPool:
         env_vars: actor env vars; default ``default_engine_env(num_gpus_per_engine)``.
         max_restarts: restarts of one engine within one ``generate``/``update_weights`` call
             before ``RolloutEngineError`` (1 = restart and retry once).
+        wait: wait for the engines to start here (else call ``wait_started``).
         keep_last_weights: keep the last synced weights in the object store so a restarted
             engine gets them (costs one model copy of object-store memory). Without it a
             restarted engine would silently serve the initial weights, so restarts are refused.
         engine_cls: the engine class made into actors (``RolloutEngine``, or a subclass of it).
+        startup_timeout_s: longest wait for an engine to be scheduled and load the model.
+        call_timeout_s: longest wait for one ``generate``/``update_weights`` call of an engine.
     """
 
     def __init__(
@@ -68,7 +60,10 @@ class RolloutPool:
         env_vars: dict[str, str] | None = None,
         max_restarts: int = 1,
         keep_last_weights: bool = True,
+        wait: bool = True,
         engine_cls: type = RolloutEngine,
+        startup_timeout_s: float = 300.0,
+        call_timeout_s: float = 3600.0,
     ) -> None:
         import ray
 
@@ -93,20 +88,46 @@ class RolloutPool:
         self.env_vars = default_engine_env(num_gpus_per_engine) if env_vars is None else dict(env_vars)
         self.max_restarts = max_restarts
         self.keep_last_weights = keep_last_weights
+        self.startup_timeout_s, self.call_timeout_s = startup_timeout_s, call_timeout_s
         self.restarts = [0] * num_engines
         self.restarts_this_call = [0] * num_engines
         self.weight_version = 0
         self._weights_ref: Any = None
         self._actor_cls = ray.remote(engine_cls)
         self.engines = [self._create(i) for i in range(num_engines)]
-        # Wait for all engines together (they start in parallel) and say which one failed.
-        pings = [e.ping.remote() for e in self.engines]
-        for i, ref in enumerate(pings):
+        self._start_refs = [e.ping.remote() for e in self.engines]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> RolloutPool:
+        """Wait for all engines together (they start in parallel); say which one failed or
+        what it is waiting for."""
+        for i, ref in enumerate(self._start_refs):
             try:
-                ray.get(ref)
+                self._await(ref, self.startup_timeout_s, f"rollout engine {i} to start")
             except Exception as e:
                 self.shutdown()
+                if isinstance(e, RolloutEngineError):
+                    raise
                 raise RolloutEngineError(f"rollout engine {i} failed to start: {e}") from e
+        self._start_refs = []
+        return self
+
+    def _await(self, ref: Any, timeout_s: float, what: str) -> Any:
+        """``ray.get`` bounded by ``timeout_s``, with a message naming what is missing."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources()
+            raise RolloutEngineError(
+                f"waited {timeout_s:.0f} s for {what}: each engine asks {self.num_cpus_per_engine:g} CPU and "
+                f"{self.num_gpus_per_engine:g} GPU and the cluster has CPU={free.get('CPU', 0.0):g}, "
+                f"GPU={free.get('GPU', 0.0):g} free. Give the cluster more (cluster.num_cpus for a local Ray), "
+                "ask less (rollout.num_engines, cluster.cpus_per_engine), or raise cluster.startup_timeout_s "
+                "/ train.rollout_timeout_s if it is just slow"
+            ) from None
 
     def _create(self, i: int) -> Any:
         opts: dict[str, Any] = {
@@ -135,7 +156,7 @@ class RolloutPool:
         done = self.restarts_this_call[i]
         if done >= self.max_restarts:
             what = f"died again after {done} restart(s) in this call" if done else "died"
-            raise RolloutEngineError(
+            raise RolloutEngineDied(
                 f"rollout engine {i} {what} (rollout.max_restarts={self.max_restarts}); "
                 f"last cause: {type(cause).__name__}: {cause}"
             ) from cause
@@ -149,19 +170,25 @@ class RolloutPool:
         with contextlib.suppress(Exception):  # usually already dead; kill in case it is only unreachable
             ray.kill(self.engines[i], no_restart=True)
         self.engines[i] = self._create(i)
+        log.warning(
+            "rollout engine %d died (%s); restarting it (restart %d of this engine in the run)",
+            i,
+            type(cause).__name__,
+            self.restarts[i],
+        )
         try:
-            ray.get(self.engines[i].ping.remote())
+            self._await(self.engines[i].ping.remote(), self.startup_timeout_s, f"restarted engine {i}")
             if self._weights_ref is not None:
-                ray.get(self.engines[i].update_weights.remote(self._weights_ref, self.weight_version))
+                ref = self.engines[i].update_weights.remote(self._weights_ref, self.weight_version)
+                self._await(ref, self.call_timeout_s, f"restarted engine {i} to load weights")
         except Exception as e:
-            raise RolloutEngineError(
+            raise RolloutEngineDied(
                 f"rollout engine {i} died ({type(cause).__name__}: {cause}) and its replacement failed to "
                 f"start or to load weights version {self.weight_version}: {type(e).__name__}: {e}"
             ) from e
 
     def _call_all(self, method: str, args_per_engine: dict[int, tuple]) -> dict[int, Any]:
         """Call ``method`` on the given engines in parallel; restart dead ones and retry their call."""
-        import ray
 
         self.restarts_this_call = [0] * self.num_engines
         pending = {i: getattr(self.engines[i], method).remote(*args) for i, args in args_per_engine.items()}
@@ -170,9 +197,11 @@ class RolloutPool:
             retry: dict[int, Any] = {}
             for i, ref in pending.items():
                 try:
-                    results[i] = ray.get(ref)
+                    results[i] = self._await(ref, self.call_timeout_s, f"engine {i} to finish {method}")
+                except RolloutEngineError:
+                    raise
                 except Exception as e:
-                    if not _is_engine_death(e):
+                    if not is_process_death(e):
                         raise RolloutEngineError(
                             f"rollout engine {i} failed in {method}: {type(e).__name__}: {e}"
                         ) from e

@@ -136,6 +136,12 @@ _RAYCLUSTER_SPEC = {
         "enableInTreeAutoscaling": {"type": "boolean"},
         "autoscalerOptions": {"type": "object"},
         "headServiceAnnotations": _STRING_MAP,
+        "authOptions": {
+            "type": "object",
+            "required": ["mode"],
+            "additionalProperties": False,
+            "properties": {"mode": {"enum": ["token", "disabled"]}},
+        },
         "suspend": {"type": "boolean"},
         "headGroupSpec": _HEAD_GROUP,
         "workerGroupSpecs": {"type": "array", "minItems": 1, "items": _WORKER_GROUP},
@@ -217,8 +223,12 @@ def _cluster_errors(spec: dict[str, Any], where: str) -> list[str]:
     groups = [("headGroupSpec", spec["headGroupSpec"])]
     groups += [(f"workerGroupSpecs/{i}", g) for i, g in enumerate(spec["workerGroupSpecs"])]
     any_gpu = False
+    # Unauthenticated, the dashboard/GCS let any pod that reaches them run code (Ray job API).
+    if spec.get("authOptions", {}).get("mode") != "token":
+        errors.append(f"{where}: authOptions.mode is not token (Ray token authentication off)")
     for path, group in groups:
         pod = group["template"]["spec"]
+        errors += _security_errors(group["template"], f"{where}/{path}")
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         for c in pod["containers"]:
             cpath = f"{where}/{path}/{c['name']}"
@@ -248,6 +258,24 @@ def _cluster_errors(spec: dict[str, Any], where: str) -> list[str]:
                     errors.append(f"{where}/{path}: /dev/shm volume is not an emptyDir with medium Memory")
     if not any_gpu:
         errors.append(f"{where}: no container requests {GPU}")
+    return errors
+
+
+RLHF_LABEL = {"app.kubernetes.io/name": "rlhf"}  # what launch/k8s/networkpolicy.yaml selects
+
+
+def _security_errors(template: dict[str, Any], where: str) -> list[str]:
+    """Non-root, no privilege escalation, and the label the NetworkPolicy selects."""
+    errors = []
+    labels = template.get("metadata", {}).get("labels", {})
+    if any(labels.get(k) != v for k, v in RLHF_LABEL.items()):
+        errors.append(f"{where}: pod template lacks the label {RLHF_LABEL} (the NetworkPolicy would miss it)")
+    pod_sc = template["spec"].get("securityContext", {})
+    if pod_sc.get("runAsNonRoot") is not True or pod_sc.get("runAsUser", 0) == 0:
+        errors.append(f"{where}: pod securityContext must set runAsNonRoot: true and a non-zero runAsUser")
+    for c in template["spec"]["containers"]:
+        if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
+            errors.append(f"{where}/{c['name']}: securityContext.allowPrivilegeEscalation must be false")
     return errors
 
 
@@ -398,6 +426,12 @@ CLUSTER_MUTATIONS: dict[str, Mutation] = {
     "env-value-int": lambda s: _worker_container(s)["env"].append({"name": "X", "value": 1}),
     "no-image": lambda s: _worker_container(s).pop("image"),
     "bad-rayVersion": lambda s: s.update(rayVersion="latest"),
+    "no-token-auth": lambda s: s.pop("authOptions"),
+    "token-auth-disabled": lambda s: s["authOptions"].update(mode="disabled"),
+    "worker-as-root": lambda s: _worker(s)["template"]["spec"]["securityContext"].update(runAsUser=0),
+    "head-may-be-root": lambda s: s["headGroupSpec"]["template"]["spec"].pop("securityContext"),
+    "privilege-escalation": lambda s: _worker_container(s).pop("securityContext"),
+    "worker-unlabelled": lambda s: _worker(s)["template"].pop("metadata"),
 }
 
 
@@ -465,6 +499,55 @@ def test_rayjob_validator_rejects(rayjob: dict[str, Any], mutate: Mutation) -> N
     mutate(bad["spec"])
     with pytest.raises(ManifestError):
         validate_rayjob(bad)
+
+
+# --- security: NetworkPolicy, image user, preemption -----------------------------------------------
+
+
+def test_networkpolicy_fences_the_ray_pods(raycluster: dict[str, Any]) -> None:
+    policy = _load(K8S / "networkpolicy.yaml")
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == RLHF_LABEL
+    assert "Ingress" in spec["policyTypes"]
+    for rule in spec["ingress"]:
+        sources = rule.get("from")
+        # A rule open to every source may only open the token-protected dashboard port.
+        if not sources:
+            assert [p["port"] for p in rule["ports"]] == [8265], rule
+        else:
+            assert all(src.get("podSelector", {}).get("matchLabels") == RLHF_LABEL for src in sources), rule
+
+
+def test_image_runs_as_the_manifests_non_root_user(raycluster: dict[str, Any]) -> None:
+    users = [
+        line.split()[1]
+        for line in (REPO / "docker" / "Dockerfile").read_text().splitlines()
+        if line.startswith("USER ")
+    ]
+    assert users, "docker/Dockerfile has no USER: the image would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid not in ("0", "root")
+    for group in [raycluster["spec"]["headGroupSpec"], *raycluster["spec"]["workerGroupSpecs"]]:
+        assert str(group["template"]["spec"]["securityContext"]["runAsUser"]) == uid
+
+
+def test_preemption_gives_the_driver_time_to_checkpoint(
+    raycluster: dict[str, Any], rayjob: dict[str, Any]
+) -> None:
+    from rlhf.config import compose
+
+    grace = compose("ppo", []).train.stop_grace_s
+    head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]
+    # Kubernetes' SIGKILL and `ray job stop`'s must both come after the driver's own deadline.
+    assert head["terminationGracePeriodSeconds"] > grace
+    env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) > grace
+    # A restarted job resumes: it is retried, and its output dir is on the shared volume.
+    assert rayjob["spec"]["backoffLimit"] >= 1
+    _, _, module, *overrides = rayjob["spec"]["entrypoint"].split()
+    cfg = compose(module.rsplit(".", 1)[-1], overrides)
+    assert cfg.train.resume == "auto" and cfg.train.output_dir.startswith("/data/")
 
 
 # --- runtime_env.yaml ----------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_checkpoint_resume_continues_the_same_schedule(sft_group, tmp_path, tiny
     latest.write_text("step_2")  # as if the run had died after step 2
     resumed_cfg = tiny_trainer_cfg("sft", tmp_path, tiny_llama_dir, *args, "train.resume=true")
     history = SFTTrainer(resumed_cfg, sft_group, data).fit()
-    assert [h["step"] for h in history] == [3, 4]
+    assert [h["step"] for h in history] == [1, 2, 3, 4]  # the run's rows: 1-2 kept, 3-4 done again
     after = sft_group.get_weights()
     for name, w in uninterrupted.items():
         torch.testing.assert_close(after[name], w, msg=name)
