@@ -378,6 +378,21 @@ class PPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    @property
+    def old_logprobs_are_current(self) -> bool:
+        """One optimizer step per batch, on samples of the current weights, and nothing reads
+        the old logprobs before it (no KL in the reward, no rollout correction): the PPO
+        ratio's denominator is then the policy's own logprob in that step, so the actor's
+        scoring forward is skipped (ratio 1 by construction, as TRL does with one iteration)."""
+        a, t = self.algorithm, self.train
+        return (
+            t.ppo_epochs == 1
+            and t.num_minibatches == 1
+            and t.max_staleness == 0
+            and a.rollout_correction == "none"
+            and not (a.kl_in_reward and a.kl_coef > 0)
+        )
+
     def __post_init__(self) -> None:
         check_offload_device(self.train, self.cluster)
         a = self.algorithm

@@ -259,20 +259,26 @@ class ExperienceMaker:
         lengths = torch.tensor([s.num_actions for s in samples])
         return overlong_penalty(lengths, max_len, buffer, self.cfg.algorithm.overlong_penalty).tolist()
 
-    def score_models(self, samples: list[Sample]) -> list[Sample]:
-        """Fill ``old_logprobs``, ``ref_logprobs`` and ``values`` with the model groups."""
-        # All scoring forwards run at once; logprobs at the sampling temperature, as the engine
-        # reported them and as the policy loss computes them.
+    def score_models(self, samples: list[Sample], engines_busy: int = 0) -> list[Sample]:
+        """Fill ``old_logprobs`` (unless ``cfg.old_logprobs_are_current``: the train step takes
+        them from its own forward), ``ref_logprobs`` and ``values`` with the model groups.
+
+        All scoring forwards run at once and split the cores between them and the
+        ``engines_busy`` engines generating meanwhile (one-step-off)."""
+        # Logprobs at the sampling temperature, as the engine reported them and as the policy
+        # loss computes them.
         t = self.cfg.rollout.temperature
-        pending = [
-            (name, group.forward_async(samples, self.budget, temp))
+        groups = [
+            (name, group, temp)
             for name, group, temp in (
-                ("old_logprobs", self.actor, t),
+                ("old_logprobs", None if self.cfg.old_logprobs_are_current else self.actor, t),
                 ("ref_logprobs", self.reference, t),
                 ("values", self.critic, 1.0),
             )
             if group is not None
         ]
+        share = 1.0 / max(1, sum(g.num_ranks for _, g, _ in groups) + engines_busy)
+        pending = [(name, g.forward_async(samples, self.budget, temp, share)) for name, g, temp in groups]
         for name, collect in pending:
             for s, out in zip(samples, collect(), strict=True):
                 setattr(s, name, out.float())

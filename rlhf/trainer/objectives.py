@@ -107,7 +107,7 @@ class PolicyObjective(Objective):
     ) -> tuple[torch.Tensor, Stats]:
         from rlhf.models.forward import packed_logprobs
 
-        _require(mb, "PolicyObjective", "old_logprobs", "advantages")
+        _require(mb, "PolicyObjective", "advantages")
         if self.kl_coef_in_loss:
             _require(mb, "PolicyObjective with kl_coef_in_loss", "ref_logprobs")
         # entropy_coef == 0: the entropy is only a statistic; keep no [T, V] graph for it.
@@ -115,9 +115,12 @@ class PolicyObjective(Objective):
             model, mb, temperature=self.temperature, return_entropy=True, entropy_grad=self.entropy_coef != 0
         )
         mask, cu = self.loss_mask(mb), mb.cu_seqlens
+        # No old logprobs: this is the only optimizer step on samples of these very weights,
+        # so the policy before the update is this forward's own (PPOConfig.old_logprobs_are_current).
+        old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         policy_loss, stats = POLICY_LOSSES[self.policy_loss].fn(
             logprobs,
-            mb.old_logprobs,
+            old,
             mb.advantages,
             mask,
             cu,
@@ -139,7 +142,23 @@ class PolicyObjective(Objective):
         if self.entropy_coef:
             loss = loss - self.entropy_coef * ent
         stats.update(entropy=ent.detach(), policy_loss=policy_loss.detach(), loss=loss.detach())
+        if mb.old_logprobs is None:
+            stats.update(self._before_update_stats(logprobs.detach(), mb))
         return loss * loss_scale, stats
+
+    def _before_update_stats(self, logprobs: torch.Tensor, mb: FlatBatch) -> Stats:
+        """What the scorer's actor forward would have measured, from this forward (same weights):
+        the KL to the reference and the engine/trainer logprob gap, token means."""
+        mask = mb.action_mask.bool()
+        n = mask.sum().clamp(min=1)
+        out: Stats = {}
+        if mb.ref_logprobs is not None:
+            kl = kl_estimator(logprobs, mb.ref_logprobs, kind=self.kl_kind, clamp=self.kl_clamp or None)
+            out["kl_before_update"] = torch.where(mask, kl, torch.zeros_like(kl)).sum() / n
+        if mb.rollout_logprobs is not None:
+            gap = (logprobs - mb.rollout_logprobs).abs()
+            out["logprob_gap"] = torch.where(mask, gap, torch.zeros_like(gap)).sum() / n
+        return out
 
 
 @dataclass

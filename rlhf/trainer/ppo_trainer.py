@@ -25,6 +25,7 @@ from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.rollout_pipeline import ProducedBatch, RolloutPipeline
 from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
+from rlhf.trainer.timing import PhaseTimer
 from rlhf.trainer.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class PPOTrainer:
         self.threaded_rollouts: bool | None = None  # None: a producer thread iff max_staleness >= 1
         self.pending_rollouts: list[ProducedBatch] = []  # generated ahead, restored from a checkpoint
         self.run_metrics: dict[str, float] = {}  # constants of the run logged with every step
+        self.timer = PhaseTimer()
         self.start_step = 0
         self.tracker: Tracker | None = None
 
@@ -153,7 +155,8 @@ class PPOTrainer:
     def step_once(self, tracker: Tracker, stop: GracefulStop) -> None:
         """One training step and its metrics row; with a stop requested before training
         starts, the step's batch is set aside for the checkpoint instead."""
-        metrics = self.run_step(stop)
+        with self.timer.phase("step", {}):
+            metrics = self.run_step(stop)
         if metrics is None:
             return
         self.step += 1
@@ -173,7 +176,6 @@ class PPOTrainer:
         samples = batch.samples
         metrics = {
             **batch.metrics,
-            "time/generate_s": batch.generate_s,
             "time/trainer_wait_s": trainer_wait,
             "rollout/staleness_mean": float(self.step - batch.weight_version),
         }
@@ -188,18 +190,33 @@ class PPOTrainer:
             return metrics
         for s in samples:
             s.weight_version = batch.weight_version
-        samples = self.maker.score_models(samples)
+        with self.timer.phase("score", metrics):
+            samples = self.maker.score_models(samples, self.engines_busy_while_training())
         self.use_behaviour_policy(samples)
-        metrics.update(advantage_step(samples, self.cfg.algorithm))
-        metrics.update(self.train(samples))
+        with self.timer.phase("advantage", metrics):
+            metrics.update(advantage_step(samples, self.cfg.algorithm))
+        with self.timer.phase("train", metrics):
+            metrics.update(self.train(samples))
         # The trainer's waits: for its batch (trainer_wait_s) and for the engines to be free
         # (sync_wait_s); the engines' wait: idle between generations (engine_wait_s).
-        metrics["time/sync_wait_s"] = self.pipeline.sync(self.sync_weights, self.step + 1)
+        metrics["time/sync_wait_s"] = self.pipeline.sync(lambda: self.sync_weights(metrics), self.step + 1)
         metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
         elapsed = time.perf_counter() - t0
         metrics.update(self.rollout_metrics(samples, batch.stats, self.cfg.train.max_tokens_per_microbatch))
         metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed})
+        metrics["time/orchestration_s"] = elapsed - self._accounted(metrics)
         return metrics
+
+    def _accounted(self, m: dict[str, float]) -> float:
+        """Seconds of the step spent in timed phases or waiting for the engines."""
+        own = sum(m.get(f"time/{p}_s", 0.0) for p in ("score", "advantage", "train", "sync"))
+        if self.pipeline.threaded:  # generation ran on the producer thread: the trainer only waited
+            return own + m["time/trainer_wait_s"] + m["time/sync_wait_s"]
+        return own + m.get("time/generate_s", 0.0) + m.get("time/reward_s", 0.0) + m["time/sync_wait_s"]
+
+    def engines_busy_while_training(self) -> int:
+        """Engines generating while the groups score and train (one-step-off), which share the cores."""
+        return self.w.rollout.num_engines if self.cfg.train.max_staleness > 0 else 0
 
     def eval_due(self) -> bool:
         every = self.cfg.eval.every
@@ -236,17 +253,21 @@ class PPOTrainer:
         a, batch_size = self.cfg.algorithm, self.cfg.train.rollout_batch_size
         total = RolloutStats()
 
+        times: dict[str, float] = {}
+
         def one_round(r: int) -> list[Sample]:
             nonlocal total
             # Distinct group ids per round: groups of different rounds must never merge.
             base = (step * a.dynamic_sampling_max_rounds + r) * batch_size
-            samples, rstats = self.maker.generate(self.loader.next_batch(), step, group_base=base)
-            samples = self.maker.assign_rewards(samples, rstats)
+            with self.timer.phase("generate", times):
+                samples, rstats = self.maker.generate(self.loader.next_batch(), step, group_base=base)
+            with self.timer.phase("reward", times):
+                samples = self.maker.assign_rewards(samples, rstats)
             total = total.merge(rstats)
             return samples
 
         if not a.dynamic_sampling:
-            return one_round(0), total, {}
+            return one_round(0), total, times
         samples, ds = collect_informative_groups(one_round, batch_size, a.dynamic_sampling_max_rounds)
         if ds.shortfall:
             log.warning(
@@ -257,7 +278,7 @@ class PPOTrainer:
                 batch_size,
                 ds.rounds,
             )
-        return samples, total, ds.metrics()
+        return samples, total, {**ds.metrics(), **times}
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         """PPO epochs over packed micro-batches for the actor (and the critic for GAE)."""
@@ -268,21 +289,36 @@ class PPOTrainer:
             # only a few prompts' groups, the same ones in every epoch.
             g = torch.Generator().manual_seed(t.seed * 100_003 + self.step * 101 + epoch)
             samples = [samples[i] for i in torch.randperm(len(samples), generator=g).tolist()]
+            # Each group trains alone: its ranks share the cores with the engines generating meanwhile.
+            busy = self.engines_busy_while_training()
             if self.critic is not None:
                 cstats = self.critic.train(
-                    samples, self.value_objective, t.max_tokens_per_microbatch, t.num_minibatches
+                    samples,
+                    self.value_objective,
+                    t.max_tokens_per_microbatch,
+                    t.num_minibatches,
+                    cpu_share=1.0 / (self.critic.num_ranks + busy),
                 )
                 stats.update({f"critic/{k}": v for k, v in cstats.items()})
             astats = self.w.actor.train(
-                samples, self.policy_objective, t.max_tokens_per_microbatch, t.num_minibatches
+                samples,
+                self.policy_objective,
+                t.max_tokens_per_microbatch,
+                t.num_minibatches,
+                cpu_share=1.0 / (self.w.actor.num_ranks + busy),
             )
             steps = stats.get("policy/num_optimizer_steps", 0.0) + astats["num_optimizer_steps"]
             stats.update({f"policy/{k}": v for k, v in astats.items()})
             stats["policy/num_optimizer_steps"] = steps  # over all epochs; the rest is the last epoch's
+        # Measured by the train step's forward when the scorer skipped the actor (old_logprobs_are_current).
+        for mine, name in (("policy/kl_before_update", "kl"), ("policy/logprob_gap", "rollout/logprob_gap")):
+            if mine in stats:
+                stats[name] = stats.pop(mine)
         return stats
 
-    def sync_weights(self) -> None:
-        self.w.rollout.update_weights(self.w.actor.get_weights_ref())
+    def sync_weights(self, metrics: dict[str, float] | None = None) -> None:
+        with self.timer.phase("sync", {} if metrics is None else metrics):
+            self.w.rollout.update_weights(self.w.actor.get_weights_ref())
 
     @staticmethod
     def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:

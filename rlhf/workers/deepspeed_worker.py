@@ -323,15 +323,26 @@ class ModelWorker:
             return fwd.packed_hidden_values
         return fwd.packed_sequence_scores
 
+    def _use_cores(self, cpu_share: float) -> None:
+        """On CPU, compute with ``cpu_share`` of this node's cores: the driver knows which
+        processes run at the same time (one group training alone gets them all; several
+        scoring at once split them), so no phase leaves cores idle or oversubscribes them."""
+        if self.device.type != "cpu":
+            return
+        n = max(1, int(len(os.sched_getaffinity(0)) * cpu_share + 1e-9))
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
     @torch.no_grad()
     def forward(
-        self, micro_batches: list[FlatBatch | None], temperature: float = 1.0
+        self, micro_batches: list[FlatBatch | None], temperature: float = 1.0, cpu_share: float = 1.0
     ) -> list[torch.Tensor | None]:
         """Per-token logprobs (actor/reference), values (critic) or per-sample scores (reward).
 
         ``None`` slots return None; under ZeRO-3 they still run a dummy forward because the
         parameter all-gathers are collective.
         """
+        self._use_cores(cpu_share)
         self._set_train(False)
         fn = self._forward_fn(temperature)
         out: list[torch.Tensor | None] = []
@@ -345,7 +356,11 @@ class ModelWorker:
         return out
 
     def train_step(
-        self, micro_batches: list[FlatBatch | None], objective: TrainObjective, loss_normalizer: float
+        self,
+        micro_batches: list[FlatBatch | None],
+        objective: TrainObjective,
+        loss_normalizer: float,
+        cpu_share: float = 1.0,
     ) -> dict[str, float]:
         """Accumulate gradients over ``micro_batches`` and take exactly one optimizer step.
 
@@ -355,6 +370,7 @@ class ModelWorker:
             objective: a ``rlhf.models.objective.TrainObjective``.
             loss_normalizer: sum of ``objective.loss_weight(mb)`` over every micro-batch of
                 the mini-batch on every rank.
+            cpu_share: the share of the node's cores to compute with (CPU only).
 
         Returns:
             Stats of this rank: each objective stat averaged with weights ``loss_weight``,
@@ -368,6 +384,7 @@ class ModelWorker:
             )
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch slot (None for a dummy)")
+        self._use_cores(cpu_share)
         self._set_train(True)
         engine = self.engine
         sums: dict[str, list[float]] = {}

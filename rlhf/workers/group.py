@@ -290,17 +290,23 @@ class ModelGroup:
         return self.forward_async(samples, max_tokens_per_microbatch, temperature)()
 
     def forward_async(
-        self, samples: Sequence[Sample], max_tokens_per_microbatch: int, temperature: float = 1.0
+        self,
+        samples: Sequence[Sample],
+        max_tokens_per_microbatch: int,
+        temperature: float = 1.0,
+        cpu_share: float | None = None,
     ) -> Callable[[], list[torch.Tensor]]:
         """Start ``forward`` on every rank and return a function that waits for its result.
 
-        Lets the driver run several groups' forwards at once (scoring: actor, reference, critic).
+        Lets the driver run several groups' forwards at once (scoring: actor, reference, critic);
+        ``cpu_share`` is each rank's share of its node's cores (default: 1 / ranks, the group
+        running alone).
         """
         samples = list(samples)
         if not samples:
             return list
         per_rank = self._deal(pack(samples, max_tokens_per_microbatch))
-        refs = self._submit("forward", temperature, per_rank=per_rank)
+        refs = self._submit("forward", temperature, self._share(cpu_share), per_rank=per_rank)
 
         def collect() -> list[torch.Tensor]:
             results: list[torch.Tensor | None] = [None] * len(samples)
@@ -323,6 +329,7 @@ class ModelGroup:
         num_minibatches: int = 1,
         num_epochs: int = 1,
         units: Sequence[Sequence[int]] | None = None,
+        cpu_share: float | None = None,
     ) -> dict[str, float]:
         """``num_epochs * num_minibatches`` optimizer steps over ``samples``.
 
@@ -343,6 +350,7 @@ class ModelGroup:
                 "samples/units); lower train.num_minibatches or raise the rollout batch size"
             )
         steps: list[dict[str, float]] = []
+        share = self._share(cpu_share)
         for _ in range(num_epochs):
             for start, end in shard_bounds(len(unit_list), num_minibatches):
                 chunk_units = unit_list[start:end]
@@ -351,7 +359,7 @@ class ModelGroup:
                 local_units = [[pos[i] for i in u] for u in chunk_units]
                 steps.append(
                     self._train_minibatch(
-                        [samples[i] for i in idx], local_units, objective, max_tokens_per_microbatch
+                        [samples[i] for i in idx], local_units, objective, max_tokens_per_microbatch, share
                     )
                 )
         out = {k: sum(s[k] for s in steps if k in s) / sum(1 for s in steps if k in s) for k in steps[0]}
@@ -360,12 +368,22 @@ class ModelGroup:
         return out
 
     def _train_minibatch(
-        self, samples: list[Sample], units: list[list[int]], objective: TrainObjective, budget: int
+        self,
+        samples: list[Sample],
+        units: list[list[int]],
+        objective: TrainObjective,
+        budget: int,
+        share: float,
     ) -> dict[str, float]:
         mbs = pack(samples, budget, units=units)
         normalizer = float(sum(objective.loss_weight(mb) for mb in mbs))
         per_rank = self._deal(mbs)
-        return _combine_rank_stats(self._on_all("train_step", objective, normalizer, per_rank=per_rank))
+        return _combine_rank_stats(
+            self._on_all("train_step", objective, normalizer, share, per_rank=per_rank)
+        )
+
+    def _share(self, cpu_share: float | None) -> float:
+        return 1.0 / self.num_ranks if cpu_share is None else cpu_share
 
     def info(self) -> list[dict[str, Any]]:
         """Per-rank ``ModelWorker.info`` (device, parameters, optimizer steps taken)."""

@@ -78,3 +78,15 @@ def test_ill_typed_value_fails_at_compose():
 def test_semantic_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         compose("ppo", overrides)
+
+
+def test_old_logprobs_are_current_only_for_one_step_on_fresh_samples():
+    assert compose("ppo", ["algorithm=grpo"]).old_logprobs_are_current
+    for extra in (
+        [],  # gae: the KL goes into the reward, computed before the update from the old logprobs
+        ["algorithm=grpo", "train.ppo_epochs=2"],
+        ["algorithm=grpo", "train.num_minibatches=2"],
+        ["algorithm=grpo", "train.max_staleness=1"],
+        ["algorithm=grpo", "algorithm.rollout_correction=tis"],
+    ):
+        assert not compose("ppo", extra).old_logprobs_are_current, extra

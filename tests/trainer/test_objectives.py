@@ -228,7 +228,7 @@ def test_dummy_batch_gives_zero_finite_loss_for_every_objective(lm, value_model)
 def test_missing_fields_are_named(lm) -> None:
     model, _ = lm
     mb = concat([Sample(torch.tensor([9, 10, 11]), torch.tensor([False, True, True]))])
-    with pytest.raises(ValueError, match="old_logprobs"):
+    with pytest.raises(ValueError, match="advantages"):
         PolicyObjective()(model, mb, 1.0)
     with pytest.raises(ValueError, match="returns"):
         ValueObjective()(model, mb, 1.0)
@@ -283,3 +283,44 @@ def test_loss_weights_reweight_and_drop_tokens(lm, policy_loss: str) -> None:
             a = float(mb.advantages[t])
             terms.append(float(mb.loss_weights[t]) * max(-a * r, -a * min(max(r, 0.8), 1.28)))
         assert float(stats["policy_loss"]) == pytest.approx(sum(terms) / len(terms), rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_without_old_logprobs_the_step_equals_one_with_a_separate_old_forward(lm, policy_loss: str) -> None:
+    """The scorer skips the actor when the only optimizer step starts from the sampling
+    weights: loss, gradients and stats must equal those with old logprobs from a separate
+    forward of those weights (a plain per-sample HF forward of an independent copy)."""
+    model, ref = lm
+    samples = _samples(model.config.vocab_size)
+    for s in samples:
+        s.rollout_logprobs = s.old_logprobs + 0.01  # an engine's logprobs, slightly off
+    obj = PolicyObjective(policy_loss=policy_loss, kl_coef_in_loss=0.1, kl_kind="k3", temperature=0.7)
+
+    def step(batch):
+        model.zero_grad(set_to_none=True)
+        loss, stats = obj(model, batch, 1.0)
+        loss.backward()
+        return loss.detach(), stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    with torch.no_grad():
+        old = [_ref_logprobs(ref, s, 0.7)[0] for s in samples]
+    with_old = concat([Sample(**{**vars(s), "old_logprobs": o}) for s, o in zip(samples, old, strict=True)])
+    without = concat([Sample(**{**vars(s), "old_logprobs": None}) for s in samples])
+    loss_a, stats_a, grads_a = step(with_old)
+    loss_b, stats_b, grads_b = step(without)
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-5)
+    for k in ("policy_loss", "kl_loss", "entropy", "clip_fraction"):
+        if k in stats_a:
+            torch.testing.assert_close(stats_b[k], stats_a[k], atol=1e-6, rtol=1e-5, msg=k)
+    for n, g in grads_a.items():
+        torch.testing.assert_close(grads_b[n], g, atol=1e-6, rtol=1e-4, msg=n)
+    # What the skipped scorer forward would have reported, measured by this one instead.
+    m = without.action_mask
+    lp = _flat(old)
+    kl = kl_estimator(lp, without.ref_logprobs, "k3")
+    torch.testing.assert_close(stats_b["kl_before_update"], kl[m].mean(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        stats_b["logprob_gap"], (lp - without.rollout_logprobs)[m].abs().mean(), atol=1e-5, rtol=1e-5
+    )
+    assert "kl_before_update" not in stats_a and "logprob_gap" not in stats_a
