@@ -115,21 +115,19 @@ def test_sigterm_before_training_sets_the_batch_aside(straight, tmp_path, tiny_l
     assert _numbers(history) == _numbers(straight) == _numbers(_rows(out))
 
 
+def _rank_killed_in_step(step: int, tmp_path, model_dir, monkeypatch, *extra: str):
+    """A run config whose reward function kills a DeepSpeed rank at the first reward of ``step``."""
+    monkeypatch.setenv("RLHF_FAULT_MARKER", str(tmp_path / "fired"))
+    monkeypatch.setenv("RLHF_FAULT_AT_CALL", str(CALLS_PER_STEP * (step - 1) + 1))
+    fault = f"reward.function={FAULTS}:count_reward_then_kill_a_rank"
+    return compose("ppo", _overrides(tmp_path / "run", model_dir, fault, *extra))
+
+
 def test_killed_rank_is_recovered_from_the_last_checkpoint(straight, tmp_path, tiny_llama_dir, monkeypatch):
     from rlhf.ppo import run
 
-    monkeypatch.setenv("RLHF_FAULT_MARKER", str(tmp_path / "fired"))
-    monkeypatch.setenv("RLHF_FAULT_AT_CALL", str(CALLS_PER_STEP * 3 + 1))  # during step 4
-    out = tmp_path / "run"
-    cfg = compose(
-        "ppo",
-        _overrides(
-            out,
-            tiny_llama_dir,
-            f"reward.function={FAULTS}:count_reward_then_kill_a_rank",
-            "train.save_every=2",
-            "train.max_recoveries=1",
-        ),
+    cfg = _rank_killed_in_step(
+        4, tmp_path, tiny_llama_dir, monkeypatch, "train.save_every=2", "train.max_recoveries=1"
     )
     history = run(cfg)
     assert (tmp_path / "fired").is_file(), "the fault never fired: the test would prove nothing"
@@ -142,22 +140,12 @@ def test_recovery_gives_up_after_max_recoveries_naming_the_checkpoint(tmp_path, 
     from rlhf.ppo import run
     from rlhf.workers.errors import WorkerDied
 
-    monkeypatch.setenv("RLHF_FAULT_MARKER", str(tmp_path / "fired"))
-    monkeypatch.setenv("RLHF_FAULT_AT_CALL", str(CALLS_PER_STEP + 1))  # during step 2
-    out = tmp_path / "run"
-    cfg = compose(
-        "ppo",
-        _overrides(
-            out,
-            tiny_llama_dir,
-            f"reward.function={FAULTS}:count_reward_then_kill_a_rank",
-            "train.save_every=1",
-            "train.max_recoveries=0",
-        ),
+    cfg = _rank_killed_in_step(
+        2, tmp_path, tiny_llama_dir, monkeypatch, "train.save_every=1", "train.max_recoveries=0"
     )
     with pytest.raises(WorkerDied, match=r"max_recoveries=0 recoveries are used up") as e:
         run(cfg)
-    assert str(out / "checkpoints" / "step_1") in str(e.value)
+    assert str(tmp_path / "run" / "checkpoints" / "step_1") in str(e.value)
     assert "run the same command again" in str(e.value)
 
 
