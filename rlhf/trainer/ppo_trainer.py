@@ -106,8 +106,6 @@ class PPOTrainer:
         self.pending_rollouts: list[ProducedBatch] = []  # generated ahead, restored from a checkpoint
         self.run_metrics: dict[str, float] = {}  # constants of the run logged with every step
         self.timer = PhaseTimer()
-        self.start_step = 0
-        self.tracker: Tracker | None = None
 
     def fit(self) -> list[dict]:
         """generate -> score -> advantages -> train -> sync weights, once per step; with
@@ -120,8 +118,7 @@ class PPOTrainer:
         t = self.cfg.train
         if resolve_resume(self.out, t.resume) is not None:
             self.try_resume()
-        self.start_step = self.step
-        self.tracker = tracker = Tracker(
+        tracker = Tracker(
             str(self.out), t.num_steps, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step
         )
         self.pipeline = RolloutPipeline(
