@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _stack import NUM_TOY_PROMPTS, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
 
 
 def _parse() -> argparse.Namespace:
@@ -65,7 +66,7 @@ def _config(args: argparse.Namespace, out: str):
             "cluster.num_cpus=2",
             "train.tensorboard=false",
             f"train.output_dir={out}",
-            "data.num_toy_prompts=512",
+            f"data.num_toy_prompts={NUM_TOY_PROMPTS}",
         ],
     )
 
@@ -98,18 +99,10 @@ def _run(cfg, workers, tok, prompts, start: Path, max_staleness: int) -> tuple[f
 
 def main() -> None:
     args = _parse()
-    from transformers import AutoTokenizer
-
-    from rlhf.data.prompts import load_prompts
-    from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir
-
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(args, tmp)
-        model_dir = prepare_model_dir(cfg.model, tmp)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        prompts, _ = load_prompts("toy:count", tok, num_toy=512, max_len=cfg.data.max_prompt_len)
-        init_ray(cfg.cluster)
-        workers = build_workers(cfg, model_dir)
+        model_dir, tok, prompts = model_and_prompts(cfg, tmp)
+        workers = start_workers(cfg, model_dir)
         try:
             start = Path(tmp) / "start"
             workers.actor.save_checkpoint(str(start), tag="start")

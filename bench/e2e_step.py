@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _stack import NUM_TOY_PROMPTS, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
 
 SIZES = {
     # hidden, layers, heads, kv heads, intermediate, new tokens
@@ -89,27 +90,21 @@ def _config(size: str, steps: int, out: str):
             "train.tensorboard=false",
             "train.save_every_min=0",
             f"train.output_dir={out}",
-            "data.num_toy_prompts=512",
+            f"data.num_toy_prompts={NUM_TOY_PROMPTS}",
         ],
     )
 
 
 def run_rlhf(size: str, steps: int, tmp: str) -> list[dict]:
     """Per step: phase seconds and CPU use, from the real trainer."""
-    from transformers import AutoTokenizer
-
-    from rlhf.data.prompts import PromptLoader, load_prompts
+    from rlhf.data.prompts import PromptLoader
     from rlhf.rewards import load_reward_fn
     from rlhf.trainer.ppo_trainer import PPOTrainer
-    from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir
     from rlhf.trainer.timing import PhaseTimer
 
     cfg = _config(size, steps, tmp)
-    model_dir = prepare_model_dir(cfg.model, tmp)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts, _ = load_prompts("toy:count", tok, num_toy=512, max_len=cfg.data.max_prompt_len)
-    init_ray(cfg.cluster)
-    workers = build_workers(cfg, model_dir)
+    model_dir, tok, prompts = model_and_prompts(cfg, tmp)
+    workers = start_workers(cfg, model_dir)
     try:
         loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=0)
         trainer = PPOTrainer(cfg, workers, tok, loader, load_reward_fn(cfg.reward.function))
@@ -138,9 +133,8 @@ def run_rlhf(size: str, steps: int, tmp: str) -> list[dict]:
             )
             if inside:
                 cpu_s += dur * row[f"cpu_{p}"] / 100
-        row["orchestration"] = row["step_s"] - sum(row[p] for p in PHASES)
-        rest = row["orchestration"]
-        row["ideal"] = cpu_s + rest * cpu.mean(s0, s1) / 100
+        row["orchestration"] = h["time/orchestration_s"]  # the trainer's: the step minus its phases and waits
+        row["ideal"] = cpu_s + row["orchestration"] * cpu.mean(s0, s1) / 100
         rows.append(row)
     return rows
 
@@ -149,18 +143,14 @@ def run_trl(size: str, steps: int, tmp: str) -> list[tuple[float, float]]:
     """Per optimizer step of TRL's GRPOTrainer on the same work: (seconds, mean response tokens)."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf.data.prompts import load_prompts
     from rlhf.rewards.toy import count_reward
-    from rlhf.trainer.setup import prepare_model_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = _config(size, steps, tmp)
-    model_dir = prepare_model_dir(cfg.model, tmp)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts, _ = load_prompts("toy:count", tok, num_toy=512, max_len=cfg.data.max_prompt_len)
+    model_dir, tok, prompts = model_and_prompts(cfg, tmp)
     data = Dataset.from_list([{"prompt": p.text} for p in prompts])
 
     def reward(prompts, completions, **kw):

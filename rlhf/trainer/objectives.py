@@ -29,7 +29,7 @@ import torch
 
 from rlhf.algorithms.kl import kl_estimator
 from rlhf.algorithms.losses import aggregate_loss, sft_loss, value_loss
-from rlhf.algorithms.masking import segment_sum
+from rlhf.algorithms.masking import masked_mean, segment_sum
 from rlhf.algorithms.registry import POLICY_LOSSES
 from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
@@ -150,14 +150,12 @@ class PolicyObjective(Objective):
         """What the scorer's actor forward would have measured, from this forward (same weights):
         the KL to the reference and the engine/trainer logprob gap, token means."""
         mask = mb.action_mask.bool()
-        n = mask.sum().clamp(min=1)
         out: Stats = {}
         if mb.ref_logprobs is not None:
             kl = kl_estimator(logprobs, mb.ref_logprobs, kind=self.kl_kind, clamp=self.kl_clamp or None)
-            out["kl_before_update"] = torch.where(mask, kl, torch.zeros_like(kl)).sum() / n
+            out["kl_before_update"] = masked_mean(kl, mask)
         if mb.rollout_logprobs is not None:
-            gap = (logprobs - mb.rollout_logprobs).abs()
-            out["logprob_gap"] = torch.where(mask, gap, torch.zeros_like(gap)).sum() / n
+            out["logprob_gap"] = masked_mean((logprobs - mb.rollout_logprobs).abs(), mask)
         return out
 
 

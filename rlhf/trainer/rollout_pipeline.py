@@ -38,7 +38,6 @@ class ProducedBatch:
     stats: Any
     metrics: dict[str, float] = field(default_factory=dict)
     weight_version: int = 0
-    generate_s: float = 0.0
 
 
 class RolloutPipeline:
@@ -105,7 +104,7 @@ class RolloutPipeline:
                 self._engine_idle_s += t0 - self._last_generation_end
         samples, stats, metrics = self.collect(step)
         self._last_generation_end = time.perf_counter()
-        return ProducedBatch(step, samples, stats, metrics, version, self._last_generation_end - t0)
+        return ProducedBatch(step, samples, stats, metrics, version)
 
     def _run(self) -> None:
         try:

@@ -32,7 +32,7 @@ from rlhf.envvars import model_worker_env
 from rlhf.models.objective import TrainObjective
 from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
 from rlhf.workers.errors import WorkerDied, is_process_death
-from rlhf.workers.placement import Placement
+from rlhf.workers.placement import Placement, describe_resources
 
 __all__ = ["ModelGroup"]
 
@@ -83,11 +83,6 @@ def _rendezvous_node(
         return _LOOPBACK, driver_node
     node0 = bundle_nodes[bundle_indices[0]]
     return node_addresses[node0], node0
-
-
-def _free_resources() -> str:
-    free = ray.available_resources()
-    return f"CPU={free.get('CPU', 0.0):g}, GPU={free.get('GPU', 0.0):g}"
 
 
 def _combine_rank_stats(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -244,7 +239,7 @@ class ModelGroup:
                     TimeoutError(
                         f"ranks {waiting} of ModelGroup({self.role}) are not running after {timeout_s:.0f} s: "
                         f"each asks {self.placement.num_cpus:g} CPU and {self.placement.num_gpus:g} GPU; "
-                        f"the cluster has {_free_resources()} free. Give the cluster more CPUs/GPUs "
+                        f"the cluster has {describe_resources(ray.available_resources())} free. Give the cluster more CPUs/GPUs "
                         "(cluster.num_cpus for a local Ray) or ask less (cluster.*_ranks, cpus_per_worker); "
                         "raise cluster.startup_timeout_s if the model is just slow to load"
                     ),

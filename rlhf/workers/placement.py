@@ -20,7 +20,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-__all__ = ["Placement", "bundle_strategy", "create_placement_group"]
+__all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources"]
+
+
+def describe_resources(resources: dict[str, float]) -> str:
+    """``"CPU=8, GPU=0"`` for ``ray.cluster_resources()`` or ``ray.available_resources()``."""
+    return f"CPU={resources.get('CPU', 0.0):g}, GPU={resources.get('GPU', 0.0):g}"
 
 
 def create_placement_group(
@@ -55,11 +60,9 @@ def create_placement_group(
     if not ready:
         state = placement_group_table(pg).get("state", "unknown")
         ray.util.remove_placement_group(pg)
-        total = ray.cluster_resources()
-        have_cpu, have_gpu = total.get("CPU", 0.0), total.get("GPU", 0.0)
         raise RuntimeError(
             f"placement group of {num_bundles} bundles x {bundle} ({strategy}) not ready after "
-            f"{timeout_s:.0f}s (state {state}); the cluster has CPU={have_cpu:g}, GPU={have_gpu:g} in "
+            f"{timeout_s:.0f}s (state {state}); the cluster has {describe_resources(ray.cluster_resources())} in "
             f"total. Need CPU={num_bundles * cpus_per_bundle:g}, GPU={num_bundles * gpus_per_bundle:g}: "
             "lower cluster.actor_ranks/critic_ranks/ref_ranks/reward_ranks or "
             "cluster.cpus_per_worker/gpus_per_worker, raise cluster.num_cpus (local Ray), set "

@@ -120,11 +120,12 @@ class RolloutPool:
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            free = ray.available_resources()
+            from rlhf.workers.placement import describe_resources
+
             raise RolloutEngineError(
                 f"waited {timeout_s:.0f} s for {what}: each engine asks {self.num_cpus_per_engine:g} CPU and "
-                f"{self.num_gpus_per_engine:g} GPU and the cluster has CPU={free.get('CPU', 0.0):g}, "
-                f"GPU={free.get('GPU', 0.0):g} free. Give the cluster more (cluster.num_cpus for a local Ray), "
+                f"{self.num_gpus_per_engine:g} GPU and the cluster has {describe_resources(ray.available_resources())} "
+                "free. Give the cluster more (cluster.num_cpus for a local Ray), "
                 "ask less (rollout.num_engines, cluster.cpus_per_engine), or raise cluster.startup_timeout_s "
                 "/ train.rollout_timeout_s if it is just slow"
             ) from None
