@@ -15,7 +15,15 @@ from rlhf.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-ATTN_IMPLS = ("auto", "packed_sdpa", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+ATTN_IMPLS = (
+    "auto",
+    "packed_sdpa",
+    "packed_varlen",
+    "sdpa",
+    "eager",
+    "flash_attention_2",
+    "flash_attention_3",
+)
 
 
 def _check(ok: bool, msg: str) -> None:

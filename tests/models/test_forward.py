@@ -178,7 +178,9 @@ def test_attn_impls_are_the_config_schema_list():
 def test_unknown_attn_impl_is_rejected(causal_lm, bad):
     before = causal_lm.config._attn_implementation
     for fn in (resolve_attn_impl, prepare_model_for_packing):
-        with pytest.raises(ValueError, match=r"model\.attn_impl=.*packed_sdpa, sdpa, eager") as e:
+        with pytest.raises(
+            ValueError, match=r"model\.attn_impl=.*packed_sdpa, packed_varlen, sdpa, eager"
+        ) as e:
             fn(causal_lm, bad)
         assert repr(bad) in str(e.value)
     assert causal_lm.config._attn_implementation == before
