@@ -92,6 +92,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     max_restarts: int = 1  # engine restarts per generate call before a step fails
+    # auto | object_store | nccl | ipc: how the actor's weights reach the engines (rlhf.workers.weight_sync)
+    weight_sync: str = "auto"
+    sync_bucket_mb: int = 256  # gathered (ZeRO-3) and sent per bucket, never one call per tensor
+    sleep_level: int = 1  # colocated engines: 1 = weights to CPU + drop KV, 2 = drop both
 
     def __post_init__(self) -> None:
         _check(self.num_engines >= 1, "rollout.num_engines must be >= 1")
@@ -103,6 +107,11 @@ class RolloutConfig:
             f"{self.temperature}; greedy rollouts give no exploration",
         )
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        _check(self.sync_bucket_mb > 0, f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
+        _check(
+            self.sleep_level in (1, 2), f"rollout.sleep_level={self.sleep_level!r} is not valid; use 1 or 2"
+        )
 
 
 @dataclass
@@ -263,6 +272,8 @@ class DeepSpeedConfig:
     offload_optimizer: bool = False  # ZeRO >= 1: optimizer state in CPU memory (GPU runs)
     offload_param: bool = False  # ZeRO-3: parameters in CPU memory (GPU runs)
     zero3_init: bool = True  # ZeRO-3: build the model partitioned (deepspeed.zero.Init)
+    # ZeRO-3: parameters with fewer elements stay whole on every rank (DeepSpeed's default 1e5).
+    zero3_persistence_threshold: int = 100_000
 
     def __post_init__(self) -> None:
         _check(self.zero_stage in (0, 1, 2, 3), "train.zero_stage must be 0, 1, 2 or 3")
@@ -273,6 +284,7 @@ class DeepSpeedConfig:
             "train.offload_optimizer needs train.zero_stage >= 1",
         )
         _check(not self.offload_param or self.zero_stage == 3, "train.offload_param needs train.zero_stage=3")
+        _check(self.zero3_persistence_threshold >= 0, "train.zero3_persistence_threshold must be >= 0")
 
 
 def check_offload_device(train: DeepSpeedConfig, cluster: ClusterConfig) -> None:
@@ -281,6 +293,43 @@ def check_offload_device(train: DeepSpeedConfig, cluster: ClusterConfig) -> None
         cluster.device == "cuda" or not (train.offload_optimizer or train.offload_param),
         "train.offload_optimizer/offload_param move state off the GPU; with cluster.device=cpu set them to false",
     )
+
+
+WEIGHT_SYNC_MODES = ("auto", "object_store", "nccl", "ipc")
+GPU_ONLY_SYNC_MODES = ("nccl", "ipc")
+
+
+def check_weight_sync(mode: str, device: str, colocate_engines: bool) -> None:
+    """Raise ValueError naming the config fields when ``mode`` cannot run on this cluster."""
+    if mode not in WEIGHT_SYNC_MODES:
+        raise ValueError(
+            f"rollout.weight_sync={mode!r} is not valid; use one of {', '.join(WEIGHT_SYNC_MODES)}"
+        )
+    if device != "cuda" and mode in GPU_ONLY_SYNC_MODES:
+        raise ValueError(
+            f"rollout.weight_sync={mode} needs GPUs (NCCL / CUDA IPC) but cluster.device={device}; "
+            "use rollout.weight_sync=object_store or auto"
+        )
+    if device != "cuda" and colocate_engines:
+        raise ValueError(
+            "cluster.colocate_engines=true needs cluster.device=cuda: colocated engines sleep (vLLM sleep "
+            "mode, GPU only) while the trainer runs; set cluster.colocate_engines=false"
+        )
+    if mode == "ipc" and not colocate_engines:
+        raise ValueError(
+            "rollout.weight_sync=ipc shares GPU memory handles, so the engines must run on the training GPUs: "
+            "set cluster.colocate_engines=true, or use rollout.weight_sync=nccl"
+        )
+
+
+def resolve_weight_sync(mode: str, device: str, colocate_engines: bool) -> str:
+    """The transport ``auto`` stands for (table in ``rlhf.workers.weight_sync``); other modes are checked and kept."""
+    check_weight_sync(mode, device, colocate_engines)
+    if mode != "auto":
+        return mode
+    if device != "cuda":
+        return "object_store"
+    return "ipc" if colocate_engines else "nccl"
 
 
 RESUME_MODES = ("auto", "true", "false")
@@ -360,6 +409,8 @@ class ClusterConfig:
     ref_ranks: int = 1
     reward_ranks: int = 1
     colocate: bool = True  # all training roles share one placement group's bundles
+    # Engines on the training GPUs (engine i on bundle i), sleeping while the trainer runs. GPU only.
+    colocate_engines: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     cpus_per_engine: float = 1.0
@@ -403,6 +454,23 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         check_offload_device(self.train, self.cluster)
+        r, c = self.rollout, self.cluster
+        check_weight_sync(r.weight_sync, c.device, c.colocate_engines)
+        if c.colocate_engines:
+            _check(
+                c.colocate,
+                "cluster.colocate_engines=true puts engines on the shared training bundles: set cluster.colocate=true",
+            )
+            _check(
+                r.num_engines <= max(c.actor_ranks, c.critic_ranks, c.ref_ranks, c.reward_ranks),
+                f"cluster.colocate_engines=true puts engine i on training bundle i: rollout.num_engines "
+                f"({r.num_engines}) must be <= the largest cluster.*_ranks",
+            )
+            _check(
+                self.train.max_staleness == 0,
+                "cluster.colocate_engines=true: engines sleep while the trainer uses their GPUs, so they cannot "
+                "generate ahead; set train.max_staleness=0 (or cluster.colocate_engines=false)",
+            )
         a = self.algorithm
         if a.estimator.compares_group:
             _check(

@@ -296,15 +296,7 @@ def packed_varlen_attention_forward(
         or (dropout > 0 and module.training)
     ):
         return packed_sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     _unsupported(kwargs)
     cu = kwargs.get("cu_seq_lens_q")

@@ -20,6 +20,7 @@ from rlhf.rewards import Reward
 from rlhf.trainer.advantage_step import advantage_step
 from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from rlhf.trainer.dynamic_sampling import collect_informative_groups
+from rlhf.trainer.engine_sync import EngineSync
 from rlhf.trainer.evaluation import Evaluator
 from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
@@ -106,6 +107,7 @@ class PPOTrainer:
         self.pending_rollouts: list[ProducedBatch] = []  # generated ahead, restored from a checkpoint
         self.run_metrics: dict[str, float] = {}  # constants of the run logged with every step
         self.timer = PhaseTimer()
+        self.engine_sync = EngineSync(cfg, workers.rollout, workers.actor)
 
     def fit(self) -> list[dict]:
         """generate -> score -> advantages -> train -> sync weights, once per step; with
@@ -187,6 +189,7 @@ class PPOTrainer:
             return metrics
         for s in samples:
             s.weight_version = batch.weight_version
+        self.engine_sync.release()
         with self.timer.phase("score", metrics):
             samples = self.maker.score_models(samples, self.engines_busy_while_training())
         self.use_behaviour_policy(samples)
@@ -315,7 +318,7 @@ class PPOTrainer:
 
     def sync_weights(self, metrics: dict[str, float] | None = None) -> None:
         with self.timer.phase("sync", {} if metrics is None else metrics):
-            self.w.rollout.update_weights(self.w.actor.get_weights_ref())
+            self.engine_sync.push()
 
     @staticmethod
     def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:

@@ -180,9 +180,11 @@ class Workers:
 
 
 def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
+    from rlhf.config.schema import resolve_weight_sync
     from rlhf.workers.rollout_pool import RolloutPool
 
     r, c = cfg.rollout, cfg.cluster
+    sync = resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines)
     return RolloutPool(
         r.num_engines,
         {
@@ -193,6 +195,8 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
             "gpu_memory_utilization": r.gpu_memory_utilization,
             "enforce_eager": r.enforce_eager,
             "log_dir": _log_dir(cfg.train.output_dir),
+            "weight_transfer": None if sync == "object_store" else sync,
+            "sleep_mode": c.colocate_engines,
         },
         num_cpus_per_engine=c.cpus_per_engine,
         num_gpus_per_engine=c.gpus_per_engine,
@@ -222,11 +226,21 @@ def _bundles(cfg: PPOConfig, roles: list[tuple[str, int, str, float]]) -> dict[s
     c = cfg.cluster
     if c.colocate:
         # Rank i of every role shares bundle i (OpenRLHF colocation); each actor asks its share.
+        # colocate_engines: engine i joins bundle i too (schema: colocate must be on, and
+        # num_engines <= bundles), asking its own share of the same GPU.
         k = len(roles)
-        out = {"all": (max(r[1] for r in roles), c.cpus_per_worker * k, c.gpus_per_worker * k)}
+        e = 1 if c.colocate_engines else 0
+        out = {
+            "all": (
+                max(r[1] for r in roles),
+                c.cpus_per_worker * k + c.cpus_per_engine * e,
+                c.gpus_per_worker * k + c.gpus_per_engine * e,
+            )
+        }
     else:
         out = {role: (ranks, c.cpus_per_worker, c.gpus_per_worker) for role, ranks, _, _ in roles}
-    out["engines"] = (cfg.rollout.num_engines, c.cpus_per_engine, c.gpus_per_engine)
+    if not c.colocate_engines:
+        out["engines"] = (cfg.rollout.num_engines, c.cpus_per_engine, c.gpus_per_engine)
     return out
 
 
@@ -282,7 +296,7 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
                 log_dir=_log_dir(t.output_dir),
                 wait=False,
             )
-        pool = _rollout_pool(cfg, model_dir, pgs["engines"])
+        pool = _rollout_pool(cfg, model_dir, pgs["all" if c.colocate_engines else "engines"])
         # Engines and ranks load at the same time; wait for all of them.
         pool.wait_started()
         for g in groups.values():

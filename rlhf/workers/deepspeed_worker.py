@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 ROLES = ("actor", "critic", "reference", "reward")
 # Always trainable; "reward" is trainable only with lr > 0 (reward-model training, see ModelWorker).
 TRAINABLE_ROLES = ("actor", "critic")
-# Elements gathered at once under ZeRO-3 by get_weights (bounds the transient full copy).
-_GATHER_BUCKET_NUMEL = 1 << 27
+# Bytes gathered at once under ZeRO-3 by get_weights when no bucket size is given.
+DEFAULT_SYNC_BUCKET_BYTES = 256 << 20
 
 
 @dataclass
@@ -74,6 +74,8 @@ def build_ds_config(s: DeepSpeedSettings, world_size: int, train: bool) -> dict[
     """DeepSpeed JSON config: one sample row per micro-step, accumulation handled by the worker."""
     pin = torch.cuda.is_available()
     zero: dict[str, Any] = {"stage": s.zero_stage}
+    if s.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = s.zero3_persistence_threshold
     if train and s.offload_optimizer and s.zero_stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if s.offload_param and s.zero_stage == 3:
@@ -432,29 +434,52 @@ class ModelWorker:
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
     # ---------------------------------------------------------------- weights
-    def get_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full state dict in HF naming on rank 0 (None elsewhere). Collective under ZeRO-3."""
-        model = self.hf_model
-        params = dict(model.named_parameters())
-        by_id: dict[int, torch.Tensor] = {}
-        if self.zero3:
-            import deepspeed
+    def get_weights(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> dict[str, torch.Tensor] | None:
+        """Full weights in HF naming on rank 0 (None elsewhere). Collective under ZeRO-3.
 
-            for bucket in self._gather_buckets(list(params.values())):
-                with deepspeed.zero.GatheredParameters(bucket, modifier_rank=None):
-                    if self.rank == 0:
-                        by_id.update({id(p): p.data.detach().cpu().clone() for p in bucket})
-        elif self.rank == 0:
-            by_id = {id(p): p.detach().cpu().clone() for p in params.values()}
+        The parameters (tied ones once) come from ``weight_sync.gathered_weights``, one bucket
+        of at most ``bucket_bytes`` gathered at a time; persistent buffers are added as they are.
+        ``last_gather()`` then reports the buckets and the largest gathered size seen.
+        """
+        from rlhf.workers.weight_sync import engine_param_name, gathered_weights
+
+        model = self.hf_model
+        self._gather_stats = {"buckets": 0, "peak_gathered_bytes": 0}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in gathered_weights(
+            model, bucket_bytes, zero3=self.zero3, on_bucket=self._on_bucket
+        ):
+            if self.rank == 0:
+                out[name] = tensor.detach().cpu().clone()
         if self.rank != 0:
             return None
-        # state_dict keeps tied weights under both names and persistent buffers.
-        return {
-            k: by_id[id(v)] if id(v) in by_id else v.detach().cpu().clone()
-            for k, v in model.state_dict(keep_vars=True).items()
-        }
+        for name, value in model.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.nn.Parameter):  # a persistent buffer
+                out[engine_param_name(name)] = value.detach().cpu().clone()
+        return out
 
-    def get_weights_ref(self) -> list | None:
+    def _on_bucket(self) -> None:
+        """Inside each bucket's gather: count it and measure what is gathered right now."""
+        stats = self._gather_stats
+        stats["buckets"] += 1
+        if self.zero3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            now = sum(
+                p.ds_numel * p.element_size()
+                for p in self.hf_model.parameters()
+                # Persistent parameters (below stage3_param_persistence_threshold) are never
+                # partitioned: always whole, not part of any gather.
+                if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
+                and not getattr(p, "ds_persist", False)
+            )
+            stats["peak_gathered_bytes"] = max(stats["peak_gathered_bytes"], now)
+
+    def last_gather(self) -> dict[str, int]:
+        """Buckets of the last ``get_weights`` and the most bytes ZeRO-3 held gathered at once."""
+        return dict(getattr(self, "_gather_stats", {}))
+
+    def get_weights_ref(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> list | None:
         """``get_weights`` put in the object store by this rank: ``[ObjectRef]`` on rank 0.
 
         The ref is wrapped in a list so Ray hands it to the driver unresolved: the weights go
@@ -462,21 +487,42 @@ class ModelWorker:
         """
         import ray
 
-        weights = self.get_weights()
+        weights = self.get_weights(bucket_bytes)
         return None if weights is None else [ray.put(list(weights.items()))]
 
-    @staticmethod
-    def _gather_buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-        buckets: list[list[torch.nn.Parameter]] = [[]]
-        size = 0
-        for p in params:
-            n = math.prod(_full_shape(p))
-            if buckets[-1] and size + n > _GATHER_BUCKET_NUMEL:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += n
-        return buckets
+    def open_weight_transfer(
+        self, mode: str, engines: list, engine_workers: int, bucket_bytes: int, timeout_s: float
+    ) -> None:
+        """Join vLLM's trainer-side transfer (nccl | ipc) to ``engines``; every rank calls it. GPU only.
+
+        Rank 0 is the sender and opens the NCCL rendezvous on its own node and a free port.
+        """
+        from rlhf.workers.weight_sync import EnginePoolClient, open_trainer_transfer, vllm_weight_source
+
+        address, port = "", 0
+        if self.rank == 0 and mode == "nccl":
+            import ray
+
+            from rlhf.workers.placement import free_port
+
+            address, port = ray.util.get_node_ip_address(), free_port()
+        self._transfer = open_trainer_transfer(
+            mode,
+            client=EnginePoolClient(engines, timeout_s),
+            source=vllm_weight_source(self.hf_model, bucket_bytes, zero3=self.zero3),
+            rank=self.rank,
+            bucket_bytes=bucket_bytes,
+            master_address=address,
+            master_port=port,
+            engine_workers=engine_workers,
+        )
+
+    def send_weights(self) -> None:
+        """One full weight transfer through ``open_weight_transfer``'s engine (collective)."""
+        transfer = getattr(self, "_transfer", None)
+        if transfer is None:
+            raise RuntimeError("send_weights before open_weight_transfer")
+        transfer.send_weights()
 
     def save_hf(self, path: str) -> None:
         """Rank 0 writes an HF model dir (+ the tokenizer of ``model_dir``). Collective under ZeRO-3."""

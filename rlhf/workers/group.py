@@ -17,7 +17,6 @@ new ``ModelGroup`` (e.g. from the last checkpoint).
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,9 +29,9 @@ from rlhf.data.packing import balance_bins, pack, shard_bounds, unpack
 from rlhf.data.types import FlatBatch, Sample
 from rlhf.envvars import model_worker_env
 from rlhf.models.objective import TrainObjective
-from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
+from rlhf.workers.deepspeed_worker import DEFAULT_SYNC_BUCKET_BYTES, ROLES, DeepSpeedSettings, ModelWorker
 from rlhf.workers.errors import WorkerDied, is_process_death
-from rlhf.workers.placement import Placement, describe_resources
+from rlhf.workers.placement import Placement, describe_resources, free_port
 
 __all__ = ["ModelGroup"]
 
@@ -43,19 +42,9 @@ logger = logging.getLogger(__name__)
 _ISSUED_PORTS: set[int] = set()
 
 
-def _free_port(exclude: Sequence[int] = ()) -> int:
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if port not in exclude:
-            return port
-    raise RuntimeError("could not find a free TCP port for the DeepSpeed rendezvous")
-
-
 @ray.remote(num_cpus=0)
 def _remote_free_port(exclude: list[int]) -> int:
-    return _free_port(exclude)
+    return free_port(exclude)
 
 
 _LOOPBACK = "127.0.0.1"
@@ -194,7 +183,7 @@ class ModelGroup:
                 {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive", True)},
             )
         if node == self._driver_node:
-            port = _free_port(sorted(_ISSUED_PORTS))
+            port = free_port(sorted(_ISSUED_PORTS))
         else:
             strategy = NodeAffinitySchedulingStrategy(node, soft=False)
             port = ray.get(
@@ -385,13 +374,27 @@ class ModelGroup:
         return self._on_all("info")
 
     # ------------------------------------------------------- weights and state
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named state dict (gathered across ranks under ZeRO-3)."""
-        return self._on_all("get_weights")[0]
+    def get_weights(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> dict[str, torch.Tensor]:
+        """Full HF-named weights (gathered across ranks under ZeRO-3, one bucket at a time)."""
+        return self._on_all("get_weights", bucket_bytes)[0]
 
-    def get_weights_ref(self) -> Any:
+    def get_weights_ref(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> Any:
         """ObjectRef of the full ``[(name, tensor), ...]``, put by rank 0 (never copied to the driver)."""
-        return self._on_all("get_weights_ref")[0][0]
+        return self._on_all("get_weights_ref", bucket_bytes)[0][0]
+
+    def last_gather(self) -> list[dict[str, int]]:
+        """Per rank: buckets of the last weight gather and the most bytes held gathered at once."""
+        return self._on_all("last_gather")
+
+    def open_weight_transfer(
+        self, mode: str, engines: list[Any], engine_workers: int, bucket_bytes: int, timeout_s: float
+    ) -> None:
+        """Every rank joins vLLM's trainer-side transfer (nccl | ipc) to ``engines``. GPU only."""
+        self._on_all("open_weight_transfer", mode, engines, engine_workers, bucket_bytes, timeout_s)
+
+    def send_weights(self) -> None:
+        """One bucketed transfer to the engines opened by ``open_weight_transfer`` (all ranks)."""
+        self._on_all("send_weights")
 
     def save_hf(self, path: str) -> None:
         self._on_all("save_hf", str(path))

@@ -10,6 +10,8 @@ cluster, which is enough for a single machine and for tests.
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-__all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources"]
+__all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources", "free_port"]
 
 
 def describe_resources(resources: dict[str, float]) -> str:
@@ -127,3 +129,14 @@ class Placement:
         if self.pg is not None:
             opts["scheduling_strategy"] = bundle_strategy(self.pg, self.bundle_indices[rank])
         return opts
+
+
+def free_port(exclude: Sequence[int] = ()) -> int:
+    """A TCP port free on this host now (for a rendezvous), not in ``exclude``."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port not in exclude:
+            return port
+    raise RuntimeError("could not find a free TCP port for a rendezvous")

@@ -32,11 +32,10 @@ pool raises ``ValueError`` before anything is sent. ``max_tokens`` is clipped pe
 ``max_model_len - len(prompt)`` so prompt + response always fits the engine (such a response
 ends with ``finish_reason="length"``); a missing ``max_tokens`` means "up to max_model_len".
 
-GPU notes (untested here; this machine has no GPU). ``update_weights`` works unchanged on GPU
-(tensors travel CPU-side through the object store; the worker copies them onto the device).
-For large models ``init_weight_sync_group``/``receive_weights_nccl`` use vLLM's own NCCL
-weight-transfer engine (``extra={"weight_transfer_config": {"backend": "nccl"}}``). Sleep mode
-(freeing KV cache while training on the same GPU) is GPU-only and not wrapped here.
+GPU (untested on the CPU CI machine). ``update_weights`` (object store) works unchanged on
+GPU. With ``weight_transfer="nccl" | "ipc"`` the engine also serves vLLM's weight-transfer
+protocol (``transfer_*``, driven by ``rlhf.workers.weight_sync``), and with ``sleep_mode`` it
+can ``sleep``/``wake_up`` to give its GPU memory to colocated training ranks.
 """
 
 from __future__ import annotations
@@ -197,7 +196,10 @@ class RolloutEngine:
         enforce_eager: no CUDA graphs / torch.compile (fast start-up; required on CPU here).
         tensor_parallel_size: GPUs per engine; >1 needs a multi-process executor
             (``extra={"distributed_executor_backend": "ray"}``) and is untested here.
-        extra: more ``vllm.LLM`` keyword arguments, e.g. ``{"weight_transfer_config": {"backend": "nccl"}}``.
+        extra: more ``vllm.LLM`` keyword arguments.
+        weight_transfer: "nccl" | "ipc" to receive weights through vLLM's weight-transfer engine
+            (``weight_transfer_config``); None = object store only. GPU only.
+        sleep_mode: build the engine with ``enable_sleep_mode`` (GPU only) for ``sleep``/``wake_up``.
         log_dir: where vLLM's INFO lines go (``engine-<pid>.log``); the console keeps warnings.
             None leaves vLLM's logging as it is.
     """
@@ -213,6 +215,8 @@ class RolloutEngine:
         tensor_parallel_size: int = 1,
         extra: dict[str, Any] | None = None,
         log_dir: str | None = None,
+        weight_transfer: str | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         if not torch.cuda.is_available():
@@ -241,6 +245,10 @@ class RolloutEngine:
             worker_extension_cls="rlhf.workers.vllm_ext.WeightSyncExtension",
             logprobs_mode="processed_logprobs",
         )
+        if weight_transfer is not None:
+            kwargs["weight_transfer_config"] = {"backend": weight_transfer}
+        if sleep_mode:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(extra or {})
         self.llm = LLM(**kwargs)
         self.model_path = str(model_path)
@@ -357,27 +365,34 @@ class RolloutEngine:
                 "(requests still running?); stale KV would mix old and new weights"
             )
 
-    # GPU path (untested here: no GPU on the CI machine). vLLM's own NCCL weight-transfer engine;
-    # the engine must be built with extra={"weight_transfer_config": {"backend": "nccl"}}.
-    def init_weight_sync_group(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's NCCL group (vLLM ``init_weight_transfer_engine``). UNTESTED HERE.
-
-        ``init_info`` is the worker-side dict of vLLM's NCCL backend (``master_address``,
-        ``master_port``, ``rank_offset``, ``world_size``, ...). Call it with ``.remote()`` on every
-        engine at the same time as the trainer opens rank 0, since the rendezvous blocks.
-        """
+    # ------------------------------------------------------------------ GPU (untested on CPU CI)
+    # vLLM's RL interfaces, driven by weight_sync.EnginePoolClient from the actor's rank 0. The
+    # engine must be built with weight_transfer="nccl" | "ipc" (and sleep_mode for sleep/wake_up).
+    def transfer_init(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's transfer (vLLM ``init_weight_transfer_engine``); NCCL blocks in the rendezvous."""
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
-    def receive_weights_nccl(self, update_info: dict[str, Any], version: int | None = None) -> None:
-        """Receive one broadcast of weights (names/dtype_names/shapes) from trainer rank 0. UNTESTED HERE.
-
-        Blocks until the trainer broadcasts: submit with ``.remote()`` first, then broadcast.
-        """
-        t0 = time.perf_counter()
+    def transfer_start(self) -> None:
+        self._transfer_t0 = time.perf_counter()
         self.llm.collective_rpc("start_weight_update")
+
+    def transfer_update(self, update_info: Any) -> None:
+        """Receive one round (NCCL: blocks until rank 0 broadcasts; IPC: opens the handles)."""
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def transfer_finish(self) -> None:
         self.llm.collective_rpc("finish_weight_update")
         self._reset_prefix_cache()
-        self._stats["weight_updates"] += 1
-        self._stats["weight_update_s"] += time.perf_counter() - t0
-        self._stats["weight_version"] = version if version is not None else self._stats["weight_version"] + 1
+        s = self._stats
+        s["weight_updates"] += 1
+        s["weight_update_s"] += time.perf_counter() - getattr(self, "_transfer_t0", time.perf_counter())
+        s["weight_version"] += 1
+
+    def sleep(self, level: int) -> None:
+        """Free GPU memory while the trainer runs: level 1 offloads weights to CPU and drops the
+        KV cache, level 2 drops both (the next weight sync refills them)."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; None = all) after ``sleep``."""
+        self.llm.wake_up(tags)

@@ -163,8 +163,9 @@ class RolloutPool:
             ) from cause
         if self.weight_version > 0 and self._weights_ref is None:
             raise RolloutEngineError(
-                f"rollout engine {i} died ({type(cause).__name__}) and cannot be restarted: weights were synced "
-                "with keep_last_weights=False, so a new engine would serve stale weights"
+                f"rollout engine {i} died ({type(cause).__name__}) and cannot be restarted: the last weights "
+                "are not in the object store (keep_last_weights=False, or sent by rollout.weight_sync=nccl/ipc), "
+                "so a new engine would serve stale weights"
             ) from cause
         self.restarts_this_call[i] += 1
         self.restarts[i] += 1
@@ -271,6 +272,29 @@ class RolloutPool:
         finally:
             if not self.keep_last_weights:
                 self._weights_ref = None
+
+    # ------------------------------------------------------------------ GPU (untested on CPU CI)
+    @property
+    def engine_workers(self) -> int:
+        """vLLM workers over all engines (tensor-parallel ranks): the NCCL group's receivers."""
+        return self.num_engines * int(self.engine_kwargs.get("tensor_parallel_size", 1))
+
+    def transferred(self) -> None:
+        """Record a weight version sent by the trainer's transfer engine (nccl | ipc).
+
+        Such weights are not kept in the object store, so a dead engine is not restarted
+        (it would have to rejoin the transfer group): the step fails with a clear error.
+        """
+        self.weight_version += 1
+        self._weights_ref = None
+
+    def sleep(self, level: int) -> None:
+        """Every engine releases its GPU memory (level 1: weights to CPU, KV dropped; 2: both dropped)."""
+        self._call_all("sleep", {i: (level,) for i in range(self.num_engines)})
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Every engine re-allocates ``tags`` ("weights", "kv_cache"; None = all)."""
+        self._call_all("wake_up", {i: (tags,) for i in range(self.num_engines)})
 
     def ping(self) -> list[str]:
         import ray

@@ -1,0 +1,42 @@
+"""bench/gpu_step.py runs end to end on CPU with its tiny config (the GPU run is the same code)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_step_bench_tiny_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable,
+        "bench/gpu_step.py",
+        "--tiny",
+        "--samples",
+        "12",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["auto_attn_impl"] == "packed_sdpa"
+    # The bench model and the windowed / soft-capped configs, each checked against per-sample.
+    assert {c["model"] for c in r["checks"]} == {"bench", "mistral_window16", "gemma2_window16_softcap"}
+    assert all(c["ok"] and c["max_diff"] < 1e-4 for c in r["checks"]), r["checks"]
+    packed, padded = r["timings"][0], r["timings"][-1]
+    assert packed["name"] == "packed/packed_sdpa" and padded["name"].startswith("padded/")
+    # Packed rows compute only real tokens; padded micro-batches compute pads too.
+    assert packed["computed_tokens"] == r["real_tokens"] < padded["computed_tokens"]
+    assert all(t["step_s"] > 0 and t["tokens_per_s"] > 0 for t in r["timings"])
+    assert "packed == per-sample" in proc.stdout and "vs padded" in proc.stdout

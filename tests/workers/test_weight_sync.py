@@ -1,0 +1,233 @@
+"""Weight sync parts the CPU can check: bucket plan, engine names, per-bucket stream, config rules.
+
+The NCCL / CUDA-IPC transports themselves need GPUs; the per-bucket ZeRO-3 gather is checked
+with real DeepSpeed in tests/workers/test_deepspeed_group.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rlhf.config.schema import ClusterConfig, PPOConfig, RolloutConfig, TrainConfig
+from rlhf.trainer.engine_sync import EngineSync
+from rlhf.trainer.setup import _bundles, _roles
+from rlhf.workers.weight_sync import (
+    TensorMeta,
+    check_weight_sync,
+    engine_param_name,
+    gathered_weights,
+    param_metas,
+    plan_buckets,
+    resolve_weight_sync,
+)
+
+pytestmark = pytest.mark.cpu
+
+
+def metas(*sizes: int) -> list[TensorMeta]:
+    return [TensorMeta(f"t{i}", torch.float32, (n,)) for i, n in enumerate(sizes)]
+
+
+def test_bucket_plan_keeps_order_and_bounds_each_bucket():
+    ms = metas(10, 10, 10, 50, 5, 5, 30)  # float32: 4 bytes each
+    plan = plan_buckets(ms, 100)
+    assert [list(b) for b in plan] == [[0, 1], [2], [3], [4, 5], [6]]
+    # Every index once, in order; no bucket over 100 bytes unless one tensor alone is.
+    assert [i for b in plan for i in b] == list(range(len(ms)))
+    for b in plan:
+        size = sum(ms[i].nbytes for i in b)
+        assert size <= 100 or len(b) == 1
+
+
+def test_oversized_tensor_gets_a_bucket_of_its_own_and_bad_size_is_refused():
+    assert [list(b) for b in plan_buckets(metas(1, 1000, 1), 16)] == [[0], [1], [2]]
+    assert [list(b) for b in plan_buckets(metas(1, 1, 1), 1 << 20)] == [[0, 1, 2]]
+    assert plan_buckets([], 16) == []
+    with pytest.raises(ValueError, match="rollout.sync_bucket_mb"):
+        plan_buckets(metas(1), 0)
+
+
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("module.model.embed_tokens.weight", "model.embed_tokens.weight"),  # DeepSpeed / DDP wrapper
+        ("_orig_mod.lm_head.weight", "lm_head.weight"),  # torch.compile
+        ("model.layers.3._checkpoint_wrapped_module.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"),
+    ],
+)
+def test_engine_param_name(name, want):
+    assert engine_param_name(name) == want
+
+
+def test_stream_names_are_the_checkpoint_names_the_engine_loads(tiny_qwen2_dir):
+    """Through the DeepSpeed-style wrapper, the sent names are exactly the saved safetensors keys
+    (what vLLM's load_weights reads), tied weights once, tensors equal."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # how DeepSpeed's engine exposes the model: ``module.`` prefix
+    saved = load_file(str(tiny_qwen2_dir / "model.safetensors"))
+    sent = list(gathered_weights(wrapper, bucket_bytes=4096, zero3=False))
+    assert [n for n, _ in sent] == [m.name for m in param_metas(wrapper)]
+    assert sorted(n for n, _ in sent) == sorted(saved)
+    for n, t in sent:
+        assert torch.equal(t, saved[n]), n
+
+
+def test_stream_runs_the_bucket_hook_once_per_bucket(tiny_llama_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    ms = param_metas(model)
+    bucket = 2 * max(m.nbytes for m in ms)
+    seen: list[int] = []
+    names = []
+    for name, _ in gathered_weights(model, bucket, zero3=False, on_bucket=lambda: seen.append(len(names))):
+        names.append(name)
+    # The hook ran at the start of each planned bucket, before its first tensor.
+    assert seen == [b.start for b in plan_buckets(ms, bucket)]
+
+
+# ---------------------------------------------------------------------------- config rules
+@pytest.mark.parametrize(
+    "mode,device,colocate,want",
+    [
+        ("auto", "cpu", False, "object_store"),
+        ("auto", "cuda", False, "nccl"),
+        ("auto", "cuda", True, "ipc"),
+        ("object_store", "cuda", True, "object_store"),
+        ("nccl", "cuda", True, "nccl"),
+    ],
+)
+def test_auto_weight_sync(mode, device, colocate, want):
+    assert resolve_weight_sync(mode, device, colocate) == want
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (
+            {"rollout": RolloutConfig(weight_sync="nccl")},
+            r"rollout.weight_sync=nccl needs GPUs.*cluster.device=cpu",
+        ),
+        ({"rollout": RolloutConfig(weight_sync="ipc")}, r"rollout.weight_sync=ipc needs GPUs"),
+        (
+            {"cluster": ClusterConfig(colocate_engines=True)},
+            r"cluster.colocate_engines=true needs cluster.device=cuda",
+        ),
+        (
+            {"rollout": RolloutConfig(weight_sync="ipc"), "cluster": ClusterConfig(device="cuda")},
+            r"weight_sync=ipc .* set cluster.colocate_engines=true",
+        ),
+        (
+            {
+                "cluster": ClusterConfig(device="cuda", colocate_engines=True),
+                "train": TrainConfig(max_staleness=1),
+            },
+            r"set train.max_staleness=0",
+        ),
+        (
+            {
+                "cluster": ClusterConfig(device="cuda", colocate_engines=True),
+                "rollout": RolloutConfig(num_engines=2),
+            },
+            r"rollout.num_engines \(2\) must be <= the largest cluster.\*_ranks",
+        ),
+    ],
+)
+def test_gpu_only_choices_on_the_wrong_cluster_are_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        PPOConfig(**fields)
+
+
+def test_bad_mode_and_sleep_level_are_refused():
+    with pytest.raises(ValueError, match="rollout.weight_sync='rdma' is not valid"):
+        RolloutConfig(weight_sync="rdma")
+    with pytest.raises(ValueError, match="rollout.sleep_level"):
+        RolloutConfig(sleep_level=3)
+    with pytest.raises(ValueError, match="rollout.weight_sync"):
+        check_weight_sync("rdma", "cuda", False)
+
+
+def test_colocated_engines_join_the_training_bundles():
+    cfg = PPOConfig(
+        cluster=ClusterConfig(
+            device="cuda", colocate_engines=True, actor_ranks=2, gpus_per_worker=0.25, gpus_per_engine=0.5
+        ),
+        rollout=RolloutConfig(num_engines=2),
+    )
+    roles = _roles(cfg, "m")
+    bundles = _bundles(cfg, roles)
+    assert set(bundles) == {"all"}  # no placement group of their own
+    n, cpus, gpus = bundles["all"]
+    assert n == 2 and gpus == pytest.approx(0.25 * len(roles) + 0.5)
+    separate = _bundles(PPOConfig(cluster=ClusterConfig(device="cuda", gpus_per_engine=1.0)), roles)
+    assert separate["engines"] == (1, 1.0, 1.0)
+
+
+# ---------------------------------------------------------------------------- sleep / push order
+class FakeGpuPool:
+    """Records what EngineSync asks of the engines (sleep mode and transfers need GPUs)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls, self.engines, self.engine_workers = calls, ["e0", "e1"], 2
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def update_weights(self, ref):
+        self.calls.append(("update_weights", ref))
+
+    def transferred(self):
+        self.calls.append(("transferred",))
+
+
+class FakeGpuActor:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def get_weights_ref(self, bucket_bytes):
+        self.calls.append(("get_weights_ref", bucket_bytes))
+        return "ref"
+
+    def open_weight_transfer(self, mode, engines, workers, bucket_bytes, timeout_s):
+        self.calls.append(("open", mode, tuple(engines), workers, bucket_bytes))
+
+    def send_weights(self):
+        self.calls.append(("send",))
+
+
+def run_two_steps(cfg: PPOConfig) -> list:
+    calls: list = []
+    sync = EngineSync(cfg, FakeGpuPool(calls), FakeGpuActor(calls))
+    for _ in range(2):
+        sync.release()
+        sync.push()
+    return calls
+
+
+def test_colocated_engines_sleep_then_wake_weights_before_the_push_and_kv_after():
+    cfg = PPOConfig(
+        cluster=ClusterConfig(device="cuda", colocate_engines=True), rollout=RolloutConfig(sleep_level=2)
+    )
+    one_step = [
+        ("sleep", 2),
+        ("wake_up", ("weights",)),
+        ("send",),
+        ("transferred",),
+        ("wake_up", ("kv_cache",)),
+    ]
+    calls = run_two_steps(cfg)
+    # The transfer group is opened once (ipc: engines colocated), then reused.
+    assert calls[:2] == [("sleep", 2), ("wake_up", ("weights",))]
+    assert calls[2] == ("open", "ipc", ("e0", "e1"), 2, 256 << 20)
+    assert calls[3:] == one_step[2:] + one_step
+
+
+def test_cpu_run_pushes_through_the_object_store_and_never_sleeps():
+    cfg = PPOConfig(rollout=RolloutConfig(sync_bucket_mb=8))
+    assert run_two_steps(cfg) == [("get_weights_ref", 8 << 20), ("update_weights", "ref")] * 2
