@@ -66,7 +66,7 @@ class CpuSampler:
         return statistics.fmean(inside) if inside else float("nan")
 
 
-def _config(size: str, steps: int, out: str):
+def _config(size: str, steps: int, out: str, overrides: tuple[str, ...] = ()):
     from rlhf.config import compose
 
     hidden, layers, heads, kv, inter, new = SIZES[size]
@@ -91,18 +91,19 @@ def _config(size: str, steps: int, out: str):
             "train.save_every_min=0",
             f"train.output_dir={out}",
             f"data.num_toy_prompts={NUM_TOY_PROMPTS}",
+            *overrides,
         ],
     )
 
 
-def run_rlhf(size: str, steps: int, tmp: str) -> list[dict]:
+def run_rlhf(size: str, steps: int, tmp: str, overrides: tuple[str, ...] = ()) -> list[dict]:
     """Per step: phase seconds and CPU use, from the real trainer."""
     from rlhf.data.prompts import PromptLoader
     from rlhf.rewards import load_reward_fn
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.timing import PhaseTimer
 
-    cfg = _config(size, steps, tmp)
+    cfg = _config(size, steps, tmp, overrides)
     model_dir, tok, prompts = model_and_prompts(cfg, tmp)
     workers = start_workers(cfg, model_dir)
     try:
@@ -234,10 +235,13 @@ def main() -> None:
     p.add_argument("--sizes", default="small,large")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (see the docstring)")
+    p.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides for rlhf's run, e.g. rollout.num_engines=2"
+    )
     args = p.parse_args()
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            rows = run_rlhf(size, args.steps, tmp)
+            rows = run_rlhf(size, args.steps, tmp, tuple(args.overrides))
         trl = None
         if args.trl:
             with tempfile.TemporaryDirectory() as tmp:

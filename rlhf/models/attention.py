@@ -207,6 +207,11 @@ def packed_sdpa_attention_forward(
     _unsupported(kwargs)
     bounds = _segment_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), query.shape[2])
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if softcap is None:
+        # Samples the window does not cut: a few batched SDPA calls instead of one per sample.
+        out = _grouped_causal_attention(query, key, value, bounds, window, scale=scaling, dropout=dropout)
+        if out is not None:
+            return out.transpose(1, 2), None
     outs = [
         _sample_attention(
             query[:, :, s:e],
@@ -222,6 +227,110 @@ def packed_sdpa_attention_forward(
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2), None
+
+
+# ---------------------------------------------------------------------------- length groups
+# Padding a group to its longest sample may cost at most this much more attention than the
+# samples alone (sum n_i^2); in exchange a row of many short samples takes a handful of SDPA
+# calls instead of one per sample, which dominated short-sample rows (per-call overhead,
+# most of all in the backward).
+_GROUP_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class _Group:
+    gather: torch.Tensor  # [B * L] row positions (a pad repeats its sample's first token)
+    keep: torch.Tensor | None  # [B * L] real positions; None when no sample is padded
+    size: int  # B
+    length: int  # L
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    groups: list[_Group]
+    order: torch.Tensor  # [T] index into the groups' concatenated outputs, in row order
+
+
+_PLAN_CACHE: tuple[tuple, _GroupPlan | None] = ((), None)
+
+
+def _plan_groups(bounds: list[int], device: torch.device) -> _GroupPlan:
+    """Samples sorted by length, grouped while padding to the group's longest stays within
+    ``_GROUP_SLACK`` of their own attention cost. One plan per forward (cached by boundaries)."""
+    global _PLAN_CACHE
+    key = (tuple(bounds), device)
+    if _PLAN_CACHE[0] == key and _PLAN_CACHE[1] is not None:
+        return _PLAN_CACHE[1]
+    segs = sorted(((e - s, s) for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s), reverse=True)
+    members: list[list[tuple[int, int]]] = []
+    sumsq = 0
+    for n, s in segs:
+        if members and (len(members[-1]) + 1) * members[-1][0][0] ** 2 <= _GROUP_SLACK * (sumsq + n * n):
+            members[-1].append((n, s))
+            sumsq += n * n
+        else:
+            members.append([(n, s)])
+            sumsq = n * n
+    groups, dests = [], []
+    for mem in members:
+        length = mem[0][0]
+        lens = torch.tensor([n for n, _ in mem], device=device)
+        starts = torch.tensor([s for _, s in mem], device=device)
+        pos = torch.arange(length, device=device)
+        real = pos[None, :] < lens[:, None]  # [B, L]
+        gather = (starts[:, None] + torch.where(real, pos[None, :], 0)).reshape(-1)
+        keep = real.reshape(-1) if bool((lens != length).any()) else None
+        groups.append(_Group(gather, keep, len(mem), length))
+        dests.append(gather if keep is None else gather[keep])
+    dest = torch.cat(dests)
+    order = torch.empty_like(dest)
+    order[dest] = torch.arange(len(dest), device=device)
+    plan = _GroupPlan(groups, order)
+    _PLAN_CACHE = (key, plan)
+    return plan
+
+
+def _grouped_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    window: int | None,
+    *,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor | None:
+    """Causal attention of every sample of the row, batched by length group: [1, H, T, D].
+
+    Samples are right-padded to the group's longest, so the causal mask alone keeps every
+    real query off the pads (they come after it); the pads' own outputs are dropped. None
+    when a sliding window is shorter than some sample (those need the band).
+    """
+    if window is not None and max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)) > window:
+        return None
+    plan = _plan_groups(bounds, query.device)
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for g in plan.groups:
+
+        def rows(t: torch.Tensor, g: _Group = g) -> torch.Tensor:
+            # [1, H, T, D] -> [B, H, L, D]
+            h, d = t.shape[1], t.shape[3]
+            return t[0].index_select(1, g.gather).reshape(h, g.size, g.length, d).transpose(0, 1)
+
+        o = F.scaled_dot_product_attention(
+            rows(query),
+            rows(key),
+            rows(value),
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        o = o.transpose(0, 1).reshape(o.shape[1], g.size * g.length, o.shape[3])  # [H, B*L, D]
+        outs.append(o if g.keep is None else o[:, g.keep])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.index_select(1, plan.order).unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------- torch varlen (CUDA)

@@ -255,3 +255,39 @@ def test_auto_rule(device, dtype, flash, varlen, want):
 def test_dense_mask_paths_warn():
     with pytest.warns(UserWarning, match=r"dense \[T, T\] mask"):
         prepare_model_for_packing(build("llama"), "sdpa")
+
+
+# ---------------------------------------------------------------------------- length groups
+SIMILAR = (40, 40, 38, 35, 33, 31, 30, 13, 12, 12, 3)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
+def test_similar_lengths_are_batched_in_padded_groups(name):
+    """Samples of close lengths share padded SDPA calls: same logprobs and gradients as each alone."""
+    g = torch.Generator().manual_seed(1)
+    samples = [
+        Sample(input_ids=torch.randint(1, VOCAB, (n,), generator=g), action_mask=torch.arange(n) > 0)
+        for n in SIMILAR
+    ]
+    bounds = [0]
+    for n in SIMILAR:
+        bounds.append(bounds[-1] + n)
+    plan = attention._plan_groups(bounds, torch.device("cpu"))
+    # Fewer calls than samples, and some groups padded, some not.
+    assert len(plan.groups) < len(SIMILAR) and len(plan.groups) > 1
+    assert any(gr.keep is not None for gr in plan.groups) and any(gr.keep is None for gr in plan.groups)
+    model = build(name, sliding_window=64) if name == "mistral" else build(name)
+    model.zero_grad(set_to_none=True)
+    refs = []
+    for s in samples:
+        lp = eager_logprobs(model, s.input_ids)
+        lp.sum().backward()
+        refs.append(lp.detach())
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got = packed_per_sample(model, samples, PACKED_SDPA)
+    sum(lp.sum() for lp in got).backward()
+    for s, gl, r in zip(samples, got, refs, strict=True):
+        torch.testing.assert_close(gl.detach(), r, atol=1e-5, rtol=0, msg=f"{name}, {len(s)} tokens")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-4, rtol=1e-4, msg=f"grad of {n}")
