@@ -10,9 +10,11 @@ switches a transformers model to one of these paths:
   ``torch.nn.attention.varlen.varlen_attn`` (flash kernels shipped inside torch) over the
   whole row in one call. A layer it cannot serve (soft-capping, attention dropout, a sliding
   window on a torch whose ``varlen_attn`` has no ``window_size``) runs ``packed_sdpa`` instead.
-* ``packed_sdpa`` (registered here; the CPU default, and fp32 on CUDA): one
-  ``F.scaled_dot_product_attention(is_causal=True)`` per sample, so cost is ``sum(n_i^2)`` and
-  no ``[T, T]`` mask is ever built. A sliding window adds a band only where a sample is longer
+* ``packed_sdpa`` (registered here; the CPU default, and fp32 on CUDA): causal
+  ``F.scaled_dot_product_attention`` per group of samples of similar length (right-padded to
+  the group's longest, at most ``_GROUP_SLACK`` x their own ``sum(n_i^2)``; a lone long
+  sample is its own group), so no ``[T, T]`` mask is ever built and a row of many short
+  samples takes a few calls (64 samples of ~35 tokens, fwd+bwd: 110 -> 80 ms on 2 cores). A sliding window adds a band only where a sample is longer
   than the window; soft-capped logits (Gemma2/3) are computed explicitly, in query chunks,
   per sample. Padded batches and KV-cache decoding fall back to transformers' ``sdpa``.
 * ``sdpa`` / ``eager``: transformers detects the packing from the position_ids resets (only
