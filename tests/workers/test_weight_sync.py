@@ -231,3 +231,24 @@ def test_colocated_engines_sleep_then_wake_weights_before_the_push_and_kv_after(
 def test_cpu_run_pushes_through_the_object_store_and_never_sleeps():
     cfg = PPOConfig(rollout=RolloutConfig(sync_bucket_mb=8))
     assert run_two_steps(cfg) == [("get_weights_ref", 8 << 20), ("update_weights", "ref")] * 2
+
+
+def test_weight_source_meets_vllms_contract(tiny_qwen2_dir):
+    """vLLM's own checks on our WeightSource: metadata() agrees with iteration element by element
+    (what its NCCL sender verifies before each broadcast), and its per-group batching accepts
+    the order. The transfer itself needs GPUs."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from rlhf.workers.weight_sync import vllm_weight_source
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    source = vllm_weight_source(wrapper, bucket_bytes=4096, zero3=False)
+    meta = source.metadata()
+    assert [m.name for m in meta] == [n for n, _ in model.named_parameters()]
+    for _ in range(2):  # re-iterable: every sync is a fresh pass
+        sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
+        assert len(sent) == len(meta)
+    grouped = [n for names, _ in source.iter_groups() for n in names]
+    assert grouped == [m.name for m in meta]
