@@ -301,10 +301,7 @@ GPU_ONLY_SYNC_MODES = ("nccl", "ipc")
 
 def check_weight_sync(mode: str, device: str, colocate_engines: bool) -> None:
     """Raise ValueError naming the config fields when ``mode`` cannot run on this cluster."""
-    if mode not in WEIGHT_SYNC_MODES:
-        raise ValueError(
-            f"rollout.weight_sync={mode!r} is not valid; use one of {', '.join(WEIGHT_SYNC_MODES)}"
-        )
+    _one_of("rollout.weight_sync", mode, WEIGHT_SYNC_MODES)
     if device != "cuda" and mode in GPU_ONLY_SYNC_MODES:
         raise ValueError(
             f"rollout.weight_sync={mode} needs GPUs (NCCL / CUDA IPC) but cluster.device={device}; "

@@ -36,6 +36,14 @@ from rlhf.config.schema import DeepSpeedConfig
 from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
 from rlhf.models.objective import TrainObjective
+from rlhf.workers.weight_sync import (
+    EnginePoolClient,
+    engine_param_name,
+    full_shape,
+    gathered_weights,
+    open_trainer_transfer,
+    vllm_weight_source,
+)
 
 __all__ = ["ROLES", "DeepSpeedSettings", "ModelWorker", "build_ds_config"]
 
@@ -120,10 +128,6 @@ class _Call(torch.nn.Module):
 
     def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(self.model, *args, **kwargs)
-
-
-def _full_shape(p: torch.nn.Parameter) -> torch.Size:
-    return getattr(p, "ds_shape", p.shape)
 
 
 def _holds_causal_lm(model_dir: str) -> bool:
@@ -256,7 +260,7 @@ class ModelWorker:
         for p in self.hf_model.parameters():
             if p.requires_grad:
                 # Biases and norm weights (1-D) are not decayed, as usual for transformers.
-                (decay if len(_full_shape(p)) >= 2 else no_decay).append(p)
+                (decay if len(full_shape(p)) >= 2 else no_decay).append(p)
         groups = [
             {"params": decay, "weight_decay": self.settings.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -299,7 +303,7 @@ class ModelWorker:
 
     def info(self) -> dict[str, Any]:
         """Rank, device, parameter count and optimizer steps taken (also a readiness probe)."""
-        n = sum(math.prod(_full_shape(p)) for p in self.hf_model.parameters())
+        n = sum(math.prod(full_shape(p)) for p in self.hf_model.parameters())
         steps = int(self.engine.global_steps) if self.trainable else 0
         attn = self.hf_model.config._attn_implementation
         return {
@@ -441,8 +445,6 @@ class ModelWorker:
         of at most ``bucket_bytes`` gathered at a time; persistent buffers are added as they are.
         ``last_gather()`` then reports the buckets and the largest gathered size seen.
         """
-        from rlhf.workers.weight_sync import engine_param_name, gathered_weights
-
         model = self.hf_model
         self._gather_stats = {"buckets": 0, "peak_gathered_bytes": 0}
         out: dict[str, torch.Tensor] = {}
@@ -497,8 +499,6 @@ class ModelWorker:
 
         Rank 0 is the sender and opens the NCCL rendezvous on its own node and a free port.
         """
-        from rlhf.workers.weight_sync import EnginePoolClient, open_trainer_transfer, vllm_weight_source
-
         address, port = "", 0
         if self.rank == 0 and mode == "nccl":
             import ray

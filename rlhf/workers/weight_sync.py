@@ -45,6 +45,7 @@ __all__ = [
     "TensorMeta",
     "check_weight_sync",
     "engine_param_name",
+    "full_shape",
     "gathered_weights",
     "param_metas",
     "plan_buckets",
@@ -81,14 +82,14 @@ class TensorMeta:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    # ZeRO-3 partitions a parameter in place; ds_shape keeps its real shape.
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's real shape, also under ZeRO-3 (which partitions it in place; ``ds_shape``)."""
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
 def param_metas(model: torch.nn.Module) -> list[TensorMeta]:
     """One ``TensorMeta`` per ``named_parameters()`` entry (tied weights once), without gathering."""
-    return [TensorMeta(engine_param_name(n), p.dtype, _full_shape(p)) for n, p in model.named_parameters()]
+    return [TensorMeta(engine_param_name(n), p.dtype, full_shape(p)) for n, p in model.named_parameters()]
 
 
 def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[range]:
@@ -126,10 +127,10 @@ def gathered_weights(
     after its last tensor): consumers copy or send it before asking for more. ``on_bucket``
     runs inside each bucket's gather, before its first tensor is yielded.
     """
-    named = list(model.named_parameters())
-    metas = [TensorMeta(engine_param_name(n), p.dtype, _full_shape(p)) for n, p in named]
+    every = list(model.parameters())  # the order of named_parameters, hence of param_metas
+    metas = param_metas(model)
     for bucket in plan_buckets(metas, bucket_bytes):
-        params = [named[i][1] for i in bucket]
+        params = [every[i] for i in bucket]
         if zero3:
             import deepspeed
 
