@@ -15,6 +15,7 @@ from rlhf.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+ROLLOUT_BACKENDS = ("vllm", "hf")
 ATTN_IMPLS = (
     "auto",
     "packed_sdpa",
@@ -81,6 +82,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    # vllm | hf: what samples (rlhf.workers.rollout / rlhf.workers.hf_rollout); hf is faster for
+    # tiny models on CPU, where vLLM's per-step scheduling outweighs the model, and needs no vLLM
+    backend: str = "vllm"
     num_engines: int = 1
     max_model_len: int = 128
     max_new_tokens: int = 16
@@ -107,6 +111,7 @@ class RolloutConfig:
             f"{self.temperature}; greedy rollouts give no exploration",
         )
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _one_of("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         _one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         _check(self.sync_bucket_mb > 0, f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
         _check(
@@ -299,9 +304,15 @@ WEIGHT_SYNC_MODES = ("auto", "object_store", "nccl", "ipc")
 GPU_ONLY_SYNC_MODES = ("nccl", "ipc")
 
 
-def check_weight_sync(mode: str, device: str, colocate_engines: bool) -> None:
+def check_weight_sync(mode: str, device: str, colocate_engines: bool, backend: str = "vllm") -> None:
     """Raise ValueError naming the config fields when ``mode`` cannot run on this cluster."""
     _one_of("rollout.weight_sync", mode, WEIGHT_SYNC_MODES)
+    if backend == "hf" and (mode in GPU_ONLY_SYNC_MODES or colocate_engines):
+        raise ValueError(
+            f"rollout.backend=hf takes weights through the object store and cannot sleep, but rollout.weight_sync="
+            f"{mode} and cluster.colocate_engines={str(colocate_engines).lower()}; set rollout.weight_sync=auto "
+            "(or object_store) and cluster.colocate_engines=false, or use rollout.backend=vllm"
+        )
     if device != "cuda" and mode in GPU_ONLY_SYNC_MODES:
         raise ValueError(
             f"rollout.weight_sync={mode} needs GPUs (NCCL / CUDA IPC) but cluster.device={device}; "
@@ -319,9 +330,11 @@ def check_weight_sync(mode: str, device: str, colocate_engines: bool) -> None:
         )
 
 
-def resolve_weight_sync(mode: str, device: str, colocate_engines: bool) -> str:
+def resolve_weight_sync(mode: str, device: str, colocate_engines: bool, backend: str = "vllm") -> str:
     """The transport ``auto`` stands for (table in ``rlhf.workers.weight_sync``); other modes are checked and kept."""
-    check_weight_sync(mode, device, colocate_engines)
+    check_weight_sync(mode, device, colocate_engines, backend)
+    if backend == "hf":
+        return "object_store"
     if mode != "auto":
         return mode
     if device != "cuda":
@@ -452,7 +465,7 @@ class PPOConfig:
     def __post_init__(self) -> None:
         check_offload_device(self.train, self.cluster)
         r, c = self.rollout, self.cluster
-        check_weight_sync(r.weight_sync, c.device, c.colocate_engines)
+        check_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
         if c.colocate_engines:
             _check(
                 c.colocate,

@@ -16,6 +16,7 @@ import importlib.util
 import math
 import numbers
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,28 +35,56 @@ def batched(fn: Callable) -> Callable:
     return fn
 
 
-def _call_with_timeout(fn: Callable, args: tuple, timeout_s: float, what: str) -> Any:
-    """``fn(*args)`` on a daemon thread; a call still running after ``timeout_s`` is an error
-    (the thread is abandoned: Python cannot stop it, but it no longer blocks the run)."""
-    box: dict[str, Any] = {}
+def _call_each(
+    fn: Callable, calls: Sequence[tuple], timeout_s: float, what: Callable[[int], str]
+) -> list[Any]:
+    """``[fn(*args) for args in calls]`` on one daemon thread, each call bounded by ``timeout_s``.
+
+    One thread for the batch, not one per call: starting a thread costs about as much as a
+    rule-based reward. A call still running after ``timeout_s`` is an error naming it
+    (``what(i)``); the thread is abandoned (Python cannot stop it, but it no longer blocks the
+    run). A call that raises is re-raised here with ``_CallFailed`` telling which one.
+    """
+    results: list[Any] = []
+    failure: list[BaseException] = []
+    cond = threading.Condition()
 
     def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # re-raised on the caller's thread
-            box["error"] = e
+        for i, args in enumerate(calls):
+            try:
+                value = fn(*args)
+            except BaseException as e:  # re-raised on the caller's thread
+                with cond:
+                    failure.append(_CallFailed(i, e))
+                    cond.notify()
+                return
+            with cond:
+                results.append(value)
+                cond.notify()
 
-    t = threading.Thread(target=run, name="rlhf-reward", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise RewardFunctionError(
-            f"{what} did not return within reward.timeout_s={timeout_s:g} s; fix the function "
-            "(or its service), or raise reward.timeout_s"
-        )
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    threading.Thread(target=run, name="rlhf-reward", daemon=True).start()
+    with cond:
+        while len(results) < len(calls) and not failure:
+            k, deadline = len(results), time.monotonic() + timeout_s  # call k is running now
+            while len(results) == k and not failure:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RewardFunctionError(
+                        f"{what(k)} did not return within reward.timeout_s={timeout_s:g} s; fix the function "
+                        "(or its service), or raise reward.timeout_s"
+                    )
+                cond.wait(left)
+    if failure:
+        raise failure[0]
+    return results
+
+
+class _CallFailed(Exception):
+    """Call ``index`` of ``_call_each`` raised ``error``."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(index, error)
+        self.index, self.error = index, error
 
 
 def _as_score(value: Any, what: str) -> float:
@@ -79,31 +108,31 @@ class RewardComponent:
         """One float per sample. Raises ``RewardFunctionError`` naming the sample on failure."""
         if getattr(self.fn, "batched", False):
             out = self._call(
-                self.fn, (list(prompts), list(responses), list(infos)), timeout_s, "batch", prompts, responses
-            )
+                [(list(prompts), list(responses), list(infos))], timeout_s, prompts, responses, batch=True
+            )[0]
             if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
                 raise RewardFunctionError(
                     f"{self.name} (batched) returned {type(out).__name__} of length "
                     f"{len(out) if hasattr(out, '__len__') else '?'} for {len(prompts)} samples; return one float per sample"
                 )
-            return [_as_score(v, f"{self.name} for sample {i}") for i, v in enumerate(out)]
-        return [
-            _as_score(
-                self._call(self.fn, (p, r, info), timeout_s, f"sample {i}", [p], [r]),
-                f"{self.name} for sample {i}",
-            )
-            for i, (p, r, info) in enumerate(zip(prompts, responses, infos, strict=True))
-        ]
+        else:
+            calls = list(zip(prompts, responses, infos, strict=True))
+            out = self._call(calls, timeout_s, prompts, responses)
+        return [_as_score(v, f"{self.name} for sample {i}") for i, v in enumerate(out)]
 
-    def _call(self, fn: Callable, args: tuple, timeout_s: float, which: str, prompts, responses) -> Any:
-        what = f"{self.name} on {which}"
+    def _call(self, calls: list[tuple], timeout_s: float, prompts, responses, batch: bool = False) -> list:
+        def what(i: int) -> str:
+            return f"{self.name} on {'batch' if batch else f'sample {i}'}"
+
         try:
-            return _call_with_timeout(fn, args, timeout_s, what)
-        except RewardFunctionError:
-            raise
-        except Exception as e:
+            return _call_each(self.fn, calls, timeout_s, what)
+        except _CallFailed as failed:
+            e, i = failed.error, failed.index
+            if isinstance(e, RewardFunctionError):
+                raise e from None
+            p, r = (prompts[0], responses[0]) if batch else (prompts[i], responses[i])
             raise RewardFunctionError(
-                f"{what} raised ({type(e).__name__}: {e}); prompt={prompts[0][:80]!r} response={responses[0][:80]!r}. "
+                f"{what(i)} raised ({type(e).__name__}: {e}); prompt={p[:80]!r} response={r[:80]!r}. "
                 "Fix the function or make it return a float for this input."
             ) from e
 

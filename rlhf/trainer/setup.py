@@ -184,20 +184,31 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
     from rlhf.workers.rollout_pool import RolloutPool
 
     r, c = cfg.rollout, cfg.cluster
-    sync = resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines)
+    sync = resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
+    kwargs = {
+        "model_path": model_dir,
+        "max_model_len": r.max_model_len,
+        "seed": cfg.train.seed,
+        "dtype": r.dtype,
+        "weight_transfer": None if sync == "object_store" else sync,
+        "sleep_mode": c.colocate_engines,
+    }
+    if r.backend == "hf":
+        from rlhf.workers.hf_rollout import HFRolloutEngine as engine_cls
+
+        kwargs["cpu_share"] = _engine_cpu_share(cfg)
+    else:
+        from rlhf.workers.rollout import RolloutEngine as engine_cls
+
+        kwargs.update(
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager,
+            log_dir=_log_dir(cfg.train.output_dir),
+        )
     return RolloutPool(
         r.num_engines,
-        {
-            "model_path": model_dir,
-            "max_model_len": r.max_model_len,
-            "seed": cfg.train.seed,
-            "dtype": r.dtype,
-            "gpu_memory_utilization": r.gpu_memory_utilization,
-            "enforce_eager": r.enforce_eager,
-            "log_dir": _log_dir(cfg.train.output_dir),
-            "weight_transfer": None if sync == "object_store" else sync,
-            "sleep_mode": c.colocate_engines,
-        },
+        kwargs,
+        engine_cls=engine_cls,
         num_cpus_per_engine=c.cpus_per_engine,
         num_gpus_per_engine=c.gpus_per_engine,
         placement_group=pg,
@@ -206,6 +217,15 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
         startup_timeout_s=c.startup_timeout_s,
         call_timeout_s=cfg.train.rollout_timeout_s,
     )
+
+
+def _engine_cpu_share(cfg: PPOConfig) -> float:
+    """Share of its node's cores an ``hf`` engine computes with: generating on-policy, the engines
+    have the cores to themselves (the trainer waits for them); generating ahead (0 = torch's
+    default, the CPUs Ray gave the actor), they share them with the trainer."""
+    if cfg.cluster.device != "cpu" or cfg.train.max_staleness > 0:
+        return 0.0
+    return 1.0 / cfg.rollout.num_engines
 
 
 def _roles(cfg: PPOConfig, model_dir: str) -> list[tuple[str, int, str, float]]:

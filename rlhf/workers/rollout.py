@@ -254,6 +254,7 @@ class RolloutEngine:
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self._stats: dict[str, Any] = {
+            "backend": "vllm",
             "pid": os.getpid(),
             "startup_s": time.perf_counter() - t0,
             "generate_calls": 0,

@@ -124,3 +124,46 @@ def test_reward_from_config(tmp_path):
     assert totals == [1.5] and set(parts) == {"exact_match_reward", "format_reward"}
     with pytest.raises(ConfigError, match="reward.weights has 1 entries for 2"):
         compose("ppo", ["reward.functions=[a:b,c:d]", "reward.weights=[1.0]"])
+
+
+def test_per_sample_calls_share_one_thread_and_each_has_its_own_timeout():
+    import threading
+    import time
+
+    threads = []
+
+    def slowish(p, r, info):
+        threads.append(threading.get_ident())
+        time.sleep(0.1)
+        return float(len(r))
+
+    # five calls of 0.1 s under a 0.3 s bound: the bound is per call, not per batch
+    out = RewardComponent("slowish", slowish).score(
+        ["p"] * 5, ["a", "bb", "c", "dd", "e"], [{}] * 5, timeout_s=0.3
+    )
+    assert out == [1.0, 2.0, 1.0, 2.0, 1.0]
+    assert len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
+def test_a_hang_in_the_middle_of_a_batch_names_that_sample():
+    import time
+
+    def third_hangs(p, r, info):
+        if r == "c":
+            time.sleep(30)
+        return 1.0
+
+    t0 = time.perf_counter()
+    with pytest.raises(RewardFunctionError, match=r"third_hangs on sample 2 did not return within"):
+        RewardComponent("third_hangs", third_hangs).score(["p"] * 4, list("abcd"), [{}] * 4, timeout_s=0.3)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_raising_sample_in_a_batch_is_named_with_its_own_text():
+    def second_raises(p, r, info):
+        if r == "b":
+            raise KeyError("answer")
+        return 1.0
+
+    with pytest.raises(RewardFunctionError, match=r"sample 1 raised \(KeyError.*response='b'"):
+        RewardComponent("second_raises", second_raises).score(["p"] * 3, list("abc"), [{}] * 3, timeout_s=5)

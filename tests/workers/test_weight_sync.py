@@ -104,6 +104,20 @@ def test_auto_weight_sync(mode, device, colocate, want):
     assert resolve_weight_sync(mode, device, colocate) == want
 
 
+def test_the_hf_backend_always_syncs_through_the_object_store():
+    assert resolve_weight_sync("auto", "cuda", False, "hf") == "object_store"
+    assert resolve_weight_sync("object_store", "cpu", False, "hf") == "object_store"
+    for mode, colocate in (("nccl", False), ("ipc", True), ("auto", True)):
+        with pytest.raises(ValueError, match="rollout.backend=hf takes weights through the object store"):
+            check_weight_sync(mode, "cuda", colocate, "hf")
+    with pytest.raises(ValueError, match="rollout.backend=hf"):
+        PPOConfig(
+            rollout=RolloutConfig(backend="hf", weight_sync="nccl"), cluster=ClusterConfig(device="cuda")
+        )
+    with pytest.raises(ValueError, match="rollout.backend='sglang' is not valid"):
+        RolloutConfig(backend="sglang")
+
+
 @pytest.mark.parametrize(
     "fields,match",
     [
