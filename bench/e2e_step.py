@@ -1,9 +1,10 @@
 """End-to-end GRPO step time of the real stack, per phase, with the machine's CPU use;
 optionally side by side with TRL's GRPOTrainer on the same model and the same work.
 
-Run: ``.venv/bin/python bench/e2e_step.py`` (small and large, a few minutes on 2 cores), or
-``--sizes small --steps 6``. ``--trl`` also runs TRL's GRPOTrainer (HF generate, what a CPU
-TRL user gets) with the same prompts, reward, model, batch and KL; TRL is not a dependency:
+Run: ``.venv/bin/python bench/e2e_step.py`` (small and large, each with the vLLM and the hf
+rollout backend, several minutes on 2 cores), or ``--sizes small --steps 6 --backends hf``.
+``--trl`` also runs TRL's GRPOTrainer (HF generate, what a CPU TRL user gets) with the same
+prompts, reward, model, batch and KL; TRL is not a dependency:
 ``pip install --no-deps --target /tmp/trlpkgs trl==1.16.0 accelerate==1.16.0`` and run with
 ``PYTHONPATH=/tmp/trlpkgs``.
 
@@ -200,8 +201,10 @@ def _fmt(x: float) -> str:
     return f"{x:7.3f}" if x < 10 else f"{x:7.2f}"
 
 
-def report(size: str, rows: list[dict], trl: list[tuple[float, float]] | None) -> None:
-    print(f"\n== {size}: hidden {SIZES[size][0]} x {SIZES[size][1]} layers, {SIZES[size][5]} new tokens ==")
+def report(size: str, backend: str, rows: list[dict], trl: list[tuple[float, float]] | None) -> float:
+    """Print the per-step table; returns the median s/step after the first step."""
+    h = SIZES[size]
+    print(f"\n== {size}: hidden {h[0]} x {h[1]} layers, {h[5]} new tokens, rollout.backend={backend} ==")
     cols = (*PHASES, "orchestration", "step_s", "ideal", "tokens")
     print(
         "step " + " ".join(f"{c[:9]:>9}" for c in cols) + "   CPU% per phase (" + ",".join(PHASES) + ",step)"
@@ -228,25 +231,35 @@ def report(size: str, rows: list[dict], trl: list[tuple[float, float]] | None) -
             f"mean response {statistics.fmean(n for _, n in t_measured):.1f} tokens\n"
             f"rlhf / TRL: {med['step_s'] / t:.2f} per step, {per_tok / t_tok:.2f} per response token"
         )
+    return med["step_s"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="small,large")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--backends", default="vllm,hf", help="rollout.backend values to run, one after the other")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (see the docstring)")
     p.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides for rlhf's run, e.g. rollout.num_engines=2"
     )
     args = p.parse_args()
+    backends = args.backends.split(",")
     for size in args.sizes.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            rows = run_rlhf(size, args.steps, tmp, tuple(args.overrides))
+        runs = {}
+        for backend in backends:
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[backend] = run_rlhf(
+                    size, args.steps, tmp, (f"rollout.backend={backend}", *args.overrides)
+                )
         trl = None
         if args.trl:
             with tempfile.TemporaryDirectory() as tmp:
                 trl = run_trl(size, args.steps, tmp)
-        report(size, rows, trl)
+        step_s = {b: report(size, b, rows, trl) for b, rows in runs.items()}
+        if len(step_s) > 1:
+            first, *rest = backends
+            print(", ".join(f"{b} / {first}: {step_s[b] / step_s[first]:.2f} s/step" for b in rest))
 
 
 if __name__ == "__main__":
