@@ -23,7 +23,13 @@ import torch
 
 from rlhf.models.decode import sample_completions
 from rlhf.models.sampling import SamplingSpec
-from rlhf.workers.rollout import RolloutEngineError, _per_prompt_seeds, check_sampling, validate_prompts
+from rlhf.workers.rollout import (
+    EngineCounters,
+    RolloutEngineError,
+    _per_prompt_seeds,
+    check_sampling,
+    validate_prompts,
+)
 
 __all__ = ["HFRolloutEngine"]
 
@@ -48,7 +54,7 @@ def _eos_ids(model_path: str, model: torch.nn.Module) -> list[int]:
     return sorted(ids)
 
 
-class HFRolloutEngine:
+class HFRolloutEngine(EngineCounters):
     """One Hugging Face causal LM, token-in/token-out. Plain class: ``RolloutPool`` makes it a Ray actor.
 
     Args:
@@ -92,25 +98,7 @@ class HFRolloutEngine:
         self.max_model_len = max_model_len
         self.stop_ids = _eos_ids(model_path, self.model)
         self._draws = torch.Generator().manual_seed(seed)
-        self._stats: dict[str, Any] = {
-            "backend": "hf",
-            "pid": os.getpid(),
-            "startup_s": time.perf_counter() - t0,
-            "generate_calls": 0,
-            "prompts": 0,
-            "completions": 0,
-            "generated_tokens": 0,
-            "generate_s": 0.0,
-            "weight_updates": 0,
-            "weight_update_s": 0.0,
-            "weight_version": 0,
-        }
-
-    def ping(self) -> str:
-        return f"ok pid={os.getpid()}"
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        self._start_counters("hf", t0)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
         """Same request and result as ``RolloutEngine.generate`` (see ``rlhf.workers.rollout``)."""
@@ -149,12 +137,7 @@ class HFRolloutEngine:
             ]
             for comps in done
         ]
-        s = self._stats
-        s["generate_calls"] += 1
-        s["prompts"] += len(prompt_token_ids)
-        s["completions"] += len(prompt_token_ids) * n
-        s["generated_tokens"] += sum(len(c.token_ids) for comps in done for c in comps)
-        s["generate_s"] += time.perf_counter() - t0
+        self._count_generate(results, t0)
         return results
 
     @torch.no_grad()
@@ -185,10 +168,7 @@ class HFRolloutEngine:
                 f"weight sync left {len(missing)} parameters of the engine's model stale, e.g. {missing[:3]}; "
                 "the sync must send every parameter"
             )
-        s = self._stats
-        s["weight_updates"] += 1
-        s["weight_update_s"] += time.perf_counter() - t0
-        s["weight_version"] = version if version is not None else s["weight_version"] + 1
+        self._count_update(t0, version)
 
     def sleep(self, level: int) -> None:
         raise RolloutEngineError(

@@ -55,6 +55,7 @@ from rlhf.workers.errors import WorkerDied
 
 __all__ = [
     "SAMPLING_KEYS",
+    "EngineCounters",
     "RolloutEngine",
     "RolloutEngineDied",
     "RolloutEngineError",
@@ -183,7 +184,48 @@ def _request_amx_permission() -> None:
             init_amx()
 
 
-class RolloutEngine:
+class EngineCounters:
+    """``ping``/``stats`` and the counters every rollout backend keeps (vLLM and ``hf``)."""
+
+    def _start_counters(self, backend: str, t0: float) -> None:
+        self._stats: dict[str, Any] = {
+            "backend": backend,
+            "pid": os.getpid(),
+            "startup_s": time.perf_counter() - t0,
+            "generate_calls": 0,
+            "prompts": 0,
+            "completions": 0,
+            "generated_tokens": 0,
+            "generate_s": 0.0,
+            "weight_updates": 0,
+            "weight_update_s": 0.0,
+            "weight_version": 0,
+        }
+
+    def ping(self) -> str:
+        """Liveness probe; returns once the engine is constructed."""
+        return f"ok pid={os.getpid()}"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and timings since start-up (``weight_version`` = last version loaded)."""
+        return dict(self._stats)
+
+    def _count_generate(self, results: list[list[dict]], t0: float) -> None:
+        s = self._stats
+        s["generate_calls"] += 1
+        s["prompts"] += len(results)
+        s["completions"] += sum(len(r) for r in results)
+        s["generated_tokens"] += sum(len(c["token_ids"]) for r in results for c in r)
+        s["generate_s"] += time.perf_counter() - t0
+
+    def _count_update(self, t0: float, version: int | None) -> None:
+        s = self._stats
+        s["weight_updates"] += 1
+        s["weight_update_s"] += time.perf_counter() - t0
+        s["weight_version"] = version if version is not None else s["weight_version"] + 1
+
+
+class RolloutEngine(EngineCounters):
     """One vLLM engine, token-in/token-out. Plain class: ``RolloutPool`` makes it a Ray actor.
 
     Args:
@@ -253,27 +295,7 @@ class RolloutEngine:
         self.llm = LLM(**kwargs)
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
-        self._stats: dict[str, Any] = {
-            "backend": "vllm",
-            "pid": os.getpid(),
-            "startup_s": time.perf_counter() - t0,
-            "generate_calls": 0,
-            "prompts": 0,
-            "completions": 0,
-            "generated_tokens": 0,
-            "generate_s": 0.0,
-            "weight_updates": 0,
-            "weight_update_s": 0.0,
-            "weight_version": 0,
-        }
-
-    def ping(self) -> str:
-        """Liveness probe; returns once the engine is constructed."""
-        return f"ok pid={os.getpid()}"
-
-    def stats(self) -> dict[str, Any]:
-        """Counters and timings since start-up (``weight_version`` = last version loaded)."""
-        return dict(self._stats)
+        self._start_counters("vllm", t0)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
         """Sample ``sampling["n"]`` completions per prompt; see the module docstring for the format.
@@ -321,12 +343,10 @@ class RolloutEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results: list[list[dict]] = []
-        num_tokens = 0
         for out in outputs:
             comps = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
-                num_tokens += len(ids)
                 comps.append(
                     {
                         "token_ids": ids,
@@ -335,12 +355,7 @@ class RolloutEngine:
                     }
                 )
             results.append(comps)
-        s = self._stats
-        s["generate_calls"] += 1
-        s["prompts"] += len(prompt_token_ids)
-        s["completions"] += sum(len(r) for r in results)
-        s["generated_tokens"] += num_tokens
-        s["generate_s"] += time.perf_counter() - t0
+        self._count_generate(results, t0)
         return results
 
     def update_weights(
@@ -355,9 +370,7 @@ class RolloutEngine:
         named_tensors = list(named_tensors)
         self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
         self._reset_prefix_cache()
-        self._stats["weight_updates"] += 1
-        self._stats["weight_update_s"] += time.perf_counter() - t0
-        self._stats["weight_version"] = version if version is not None else self._stats["weight_version"] + 1
+        self._count_update(t0, version)
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -384,10 +397,7 @@ class RolloutEngine:
     def transfer_finish(self) -> None:
         self.llm.collective_rpc("finish_weight_update")
         self._reset_prefix_cache()
-        s = self._stats
-        s["weight_updates"] += 1
-        s["weight_update_s"] += time.perf_counter() - getattr(self, "_transfer_t0", time.perf_counter())
-        s["weight_version"] += 1
+        self._count_update(getattr(self, "_transfer_t0", time.perf_counter()), None)
 
     def sleep(self, level: int) -> None:
         """Free GPU memory while the trainer runs: level 1 offloads weights to CPU and drops the
