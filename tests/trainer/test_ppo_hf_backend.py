@@ -3,10 +3,13 @@ engines instead of vLLM (the whole loop runs without vLLM)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from rlhf.config import compose
+from rlhf.envvars import cpu_env
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +45,9 @@ def test_grpo_with_hf_engines_trains_syncs_and_agrees_with_the_trainer(tmp_path,
     workers = build_workers(cfg, str(tiny_llama_dir))
     try:
         assert [s["backend"] for s in workers.rollout.stats()] == ["hf"]
+        # the CPU env reaches the workers: libgomp's idle spin is bounded there (rlhf.envvars)
+        spin = ray.get(ray.remote(lambda: os.environ.get("GOMP_SPINCOUNT")).remote(), timeout=60)
+        assert spin == cpu_env()["GOMP_SPINCOUNT"] == "20000"
         tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
         prompts, _ = load_prompts("toy:count", tok, num_toy=32, max_len=cfg.data.max_prompt_len)
         loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=0)
