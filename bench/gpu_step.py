@@ -17,6 +17,11 @@ What it measures, with a random-init model (nothing is downloaded):
    seconds per step (median of ``--repeats``), real tokens/s, MFU = model FLOPs of the real
    tokens / step time / peak (989 TFLOP/s dense bf16 for an H200), peak memory.
 
+3. The ``hf`` rollout backend's sampler (``rlhf.models.decode``) on the device, with the bench
+   model: the logprob it reports for each sampled token vs a full forward of the completion
+   (a check row ``hf_decode``), and decode tokens/s for ``--decode-prompts`` x 4 completions
+   of ``--decode-tokens`` tokens.
+
 Model FLOPs of a train step: 6 x (non-embedding parameters) per real token plus
 6 x layers x hidden x sum(n_i^2) for causal attention (forward 2 x n^2 x d for QK^T and AV,
 halved by causality; backward twice the forward).
@@ -208,6 +213,53 @@ def arch_checks(device, dtype, tol: float) -> list[dict]:
     return out
 
 
+def decode_check(model, vocab: int, device, tol: float, prompts: int, new_tokens: int) -> tuple[dict, dict]:
+    """The hf backend's sampler on this device: reported logprobs vs a full forward of each
+    completion (first 4 prompts), and decode throughput. Returns ``(check row, timing)``."""
+    from rlhf.models.decode import sample_completions
+    from rlhf.models.sampling import SamplingSpec
+
+    model.set_attn_implementation("sdpa")  # decoding with a KV cache: no packed rows
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(8, 64, (prompts,), generator=g).tolist()
+    batch = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
+    n = 4
+    args = (
+        model,
+        batch,
+        n,
+        SamplingSpec(temperature=1.0),
+        [new_tokens] * prompts,
+        list(range(prompts * n)),
+        [],
+    )
+    sample_completions(*args)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    outs = sample_completions(*args)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    diffs = []
+    with torch.no_grad():
+        for prompt, comps in zip(batch[:4], outs[:4], strict=True):
+            for c in comps:
+                ids = torch.tensor([prompt + c.token_ids], device=device)
+                lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[len(prompt) - 1 : -1]
+                ref = lp.gather(-1, torch.tensor(c.token_ids, device=device)[:, None]).squeeze(-1).cpu()
+                diffs.append((ref - torch.tensor(c.logprobs)).abs())
+    d = torch.cat(diffs)
+    tokens = sum(len(c.token_ids) for comps in outs for c in comps)
+    check = {"model": "bench", "impl": "hf_decode", "max_diff": float(d.max()), "mean_diff": float(d.mean())}
+    check["ok"] = check["max_diff"] <= tol
+    return check, {
+        "rows": prompts * n,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny config, fp32, on CPU (what the test runs)")
@@ -215,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=int, default=16384, help="tokens per packed row")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-prompts", type=int, default=32, help="hf sampler: prompts (x 4 completions)")
+    ap.add_argument("--decode-tokens", type=int, default=128, help="hf sampler: tokens per completion")
     ap.add_argument("--json", type=str, default="", help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -266,6 +320,10 @@ def main(argv: list[str] | None = None) -> dict:
     padded_s = result["timings"][-1]["step_s"]
     for row in result["timings"]:
         row["speedup_vs_padded"] = padded_s / row["step_s"]
+    check, result["decode"] = decode_check(
+        model, cfg.vocab_size, device, tol, args.decode_prompts, args.decode_tokens
+    )
+    result["checks"].append(check)
     report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -278,7 +336,7 @@ def report(r: dict) -> None:
         f"{r['params'] / 1e6:.1f}M params | {r['samples']} samples, {r['real_tokens']} real tokens | "
         f"auto -> {r['auto_attn_impl']}"
     )
-    print("packed == per-sample (response-token logprobs):")
+    print("packed == per-sample (response-token logprobs); hf_decode: sampler logprobs == a full forward:")
     for c in r["checks"]:
         print(
             f"  {c['model']:<26} {c['impl']:<18} max {c['max_diff']:.2e}  mean {c['mean_diff']:.2e}  {'ok' if c['ok'] else 'FAIL'}"
@@ -291,6 +349,10 @@ def report(r: dict) -> None:
             f"{t['name']:<28} {t['step_s']:>8.3f} {t['tokens_per_s']:>10.0f} {t['mfu']:>7.1%} "
             f"{t['peak_mem_gib']:>9.2f} {t['computed_tokens']:>9} {t['speedup_vs_padded']:>8.2f}x"
         )
+    d = r["decode"]
+    print(
+        f"hf sampler: {d['rows']} rows, {d['tokens']} tokens in {d['seconds']:.2f} s = {d['tokens_per_s']:.0f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ def test_gpu_step_bench_tiny_on_cpu(tmp_path):
         "12",
         "--repeats",
         "1",
+        "--decode-prompts",
+        "4",
+        "--decode-tokens",
+        "8",
         "--json",
         str(out),
     ]
@@ -34,6 +38,9 @@ def test_gpu_step_bench_tiny_on_cpu(tmp_path):
     # The bench model and the windowed / soft-capped configs, each checked against per-sample.
     assert {c["model"] for c in r["checks"]} == {"bench", "mistral_window16", "gemma2_window16_softcap"}
     assert all(c["ok"] and c["max_diff"] < 1e-4 for c in r["checks"]), r["checks"]
+    # the hf rollout sampler's logprobs against a full forward, and its throughput
+    assert [c["impl"] for c in r["checks"]].count("hf_decode") == 1
+    assert r["decode"]["rows"] == 16 and r["decode"]["tokens"] == 16 * 8 and r["decode"]["tokens_per_s"] > 0
     packed, padded = r["timings"][0], r["timings"][-1]
     assert packed["name"] == "packed/packed_sdpa" and padded["name"].startswith("padded/")
     # Packed rows compute only real tokens; padded micro-batches compute pads too.
