@@ -63,10 +63,8 @@ class HFRolloutEngine(EngineCounters):
         seed: draws for requests without their own seed.
         dtype: "float32" | "bfloat16" | "float16" ("auto": the checkpoint's).
         cpu_share: on CPU, compute with this share of the node's cores (0: torch's default).
-        weight_transfer, sleep_mode: must be None / False (vLLM-only features; here for the
-            pool's common keyword set).
-        gpu_memory_utilization, enforce_eager, tensor_parallel_size, log_dir, extra: vLLM
-            settings, ignored.
+        weight_transfer, sleep_mode: must be None / False (vLLM-only features, named here so
+            that asking for them is a clear error rather than a TypeError).
     """
 
     def __init__(
@@ -78,7 +76,6 @@ class HFRolloutEngine(EngineCounters):
         cpu_share: float = 0.0,
         weight_transfer: str | None = None,
         sleep_mode: bool = False,
-        **_vllm_only: Any,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
