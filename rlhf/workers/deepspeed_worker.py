@@ -36,6 +36,7 @@ from rlhf.config.schema import DeepSpeedConfig
 from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
 from rlhf.models.objective import TrainObjective
+from rlhf.workers.placement import use_cpu_share
 from rlhf.workers.weight_sync import (
     EnginePoolClient,
     engine_param_name,
@@ -333,11 +334,8 @@ class ModelWorker:
         """On CPU, compute with ``cpu_share`` of this node's cores: the driver knows which
         processes run at the same time (one group training alone gets them all; several
         scoring at once split them), so no phase leaves cores idle or oversubscribes them."""
-        if self.device.type != "cpu":
-            return
-        n = max(1, int(len(os.sched_getaffinity(0)) * cpu_share + 1e-9))
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
+        if self.device.type == "cpu":
+            use_cpu_share(cpu_share)
 
     @torch.no_grad()
     def forward(

@@ -14,7 +14,6 @@ mode; the config refuses them with this backend.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -23,11 +22,13 @@ import torch
 
 from rlhf.models.decode import sample_completions
 from rlhf.models.sampling import SamplingSpec
+from rlhf.workers.placement import use_cpu_share
 from rlhf.workers.rollout import (
     EngineCounters,
     RolloutEngineError,
     _per_prompt_seeds,
     check_sampling,
+    response_room,
     validate_prompts,
 )
 
@@ -87,7 +88,7 @@ class HFRolloutEngine(EngineCounters):
         t0 = time.perf_counter()
         on_gpu = torch.cuda.is_available()
         if cpu_share > 0 and not on_gpu:
-            torch.set_num_threads(max(1, int(len(os.sched_getaffinity(0)) * cpu_share + 1e-9)))
+            use_cpu_share(cpu_share)
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         torch_dtype = "auto" if dtype == "auto" else _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
@@ -119,8 +120,7 @@ class HFRolloutEngine(EngineCounters):
         ]
         stops = [] if sampling.get("ignore_eos") else list(self.stop_ids)
         stops += list(sampling.get("stop_token_ids") or [])
-        rooms = [self.max_model_len - len(p) for p in prompt_token_ids]
-        max_tokens = [min(sampling.get("max_tokens") or room, room) for room in rooms]
+        max_tokens = [response_room(p, sampling, self.max_model_len) for p in prompt_token_ids]
         done = sample_completions(self.model, prompt_token_ids, n, spec, max_tokens, seeds, stops)
         with_logprobs = sampling.get("logprobs", 0) is not None
         results = [

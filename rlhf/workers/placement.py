@@ -10,6 +10,7 @@ cluster, which is enough for a single machine and for tests.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,17 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 __all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources", "free_port"]
+
+
+def use_cpu_share(cpu_share: float) -> None:
+    """Compute (torch intra-op threads) with ``cpu_share`` of this node's cores, at least one.
+
+    The driver knows which processes run at the same time, so it hands each its share."""
+    import torch
+
+    n = max(1, int(len(os.sched_getaffinity(0)) * cpu_share + 1e-9))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def describe_resources(resources: dict[str, float]) -> str:

@@ -61,6 +61,7 @@ __all__ = [
     "RolloutEngineError",
     "check_sampling",
     "default_engine_env",
+    "response_room",
     "validate_prompts",
 ]
 
@@ -140,6 +141,13 @@ def validate_prompts(prompts: list[list[int]], max_model_len: int) -> None:
                 "tokens). Raise rollout.max_model_len, lower data.max_prompt_len, or set "
                 "data.overlong_prompts=skip"
             )
+
+
+def response_room(prompt: list[int], sampling: Mapping[str, Any], max_model_len: int) -> int:
+    """``sampling["max_tokens"]`` clipped to what ``prompt`` leaves of ``max_model_len`` (all of
+    it when unset), so prompt + response always fits the engine."""
+    room = max_model_len - len(prompt)
+    return min(sampling.get("max_tokens") or room, room)
 
 
 def _per_prompt_seeds(
@@ -327,12 +335,10 @@ class RolloutEngine(EngineCounters):
         }
         params = []
         for p, seed in zip(prompt_token_ids, seeds, strict=True):
-            room = self.max_model_len - len(p)
-            max_tokens = min(sampling.get("max_tokens") or room, room)
             params.append(
                 SamplingParams(
                     n=n,
-                    max_tokens=max_tokens,
+                    max_tokens=response_room(p, sampling, self.max_model_len),
                     seed=seed,
                     logprobs=logprobs,
                     detokenize=False,
