@@ -61,7 +61,9 @@ __all__ = [
     "RolloutEngineError",
     "check_sampling",
     "default_engine_env",
+    "llm_kwargs",
     "response_room",
+    "sampling_params",
     "validate_prompts",
 ]
 
@@ -82,6 +84,18 @@ SAMPLING_KEYS = frozenset(
         "ignore_eos",
         "repetition_penalty",
     }
+)
+# Passed to SamplingParams as given (the others are derived: max_tokens is clipped to the room
+# left, seed is per prompt, logprobs defaults to 0).
+_VLLM_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "repetition_penalty",
 )
 
 
@@ -148,6 +162,54 @@ def response_room(prompt: list[int], sampling: Mapping[str, Any], max_model_len:
     it when unset), so prompt + response always fits the engine."""
     room = max_model_len - len(prompt)
     return min(sampling.get("max_tokens") or room, room)
+
+
+def llm_kwargs(
+    model_path: str,
+    max_model_len: int,
+    *,
+    seed: int,
+    dtype: str,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    tensor_parallel_size: int,
+    weight_transfer: str | None,
+    sleep_mode: bool,
+) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments of a rollout engine (``RolloutEngine`` documents them)."""
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
+        worker_extension_cls="rlhf.workers.vllm_ext.WeightSyncExtension",
+        # the logprobs the sampler drew from (after temperature/top-p/...), what PPO's ratio needs
+        logprobs_mode="processed_logprobs",
+    )
+    if weight_transfer is not None:
+        kwargs["weight_transfer_config"] = {"backend": weight_transfer}
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+def sampling_params(sampling: Mapping[str, Any], *, seed: int | None, max_tokens: int) -> Any:
+    """One prompt's ``vllm.SamplingParams`` for a ``check_sampling``-valid ``sampling``."""
+    from vllm import SamplingParams
+
+    given = {k: sampling[k] for k in _VLLM_SAMPLING_KEYS if sampling.get(k) is not None}
+    return SamplingParams(
+        n=sampling.get("n", 1),
+        max_tokens=max_tokens,
+        seed=seed,
+        logprobs=sampling.get("logprobs", 0),
+        detokenize=False,
+        flat_logprobs=True,
+        **given,
+    )
 
 
 def _per_prompt_seeds(
@@ -284,23 +346,20 @@ class RolloutEngine(EngineCounters):
             os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf)
         from vllm import LLM
 
-        kwargs: dict[str, Any] = dict(
-            model=str(model_path),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size,
-            worker_extension_cls="rlhf.workers.vllm_ext.WeightSyncExtension",
-            logprobs_mode="processed_logprobs",
+        self.llm = LLM(
+            **llm_kwargs(
+                model_path,
+                max_model_len,
+                seed=seed,
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                tensor_parallel_size=tensor_parallel_size,
+                weight_transfer=weight_transfer,
+                sleep_mode=sleep_mode,
+            ),
+            **(extra or {}),
         )
-        if weight_transfer is not None:
-            kwargs["weight_transfer_config"] = {"backend": weight_transfer}
-        if sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        kwargs.update(extra or {})
-        self.llm = LLM(**kwargs)
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self._start_counters("vllm", t0)
@@ -310,42 +369,17 @@ class RolloutEngine(EngineCounters):
 
         ``sampling["seed"]`` may be an int (prompt ``i`` gets ``seed + i * n``) or one seed per prompt.
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         check_sampling(sampling)
         validate_prompts(prompt_token_ids, self.max_model_len)
         t0 = time.perf_counter()
-        n = sampling.get("n", 1)
         logprobs = sampling.get("logprobs", 0)
-        seeds = _per_prompt_seeds(sampling.get("seed"), len(prompt_token_ids), n)
-        common = {
-            k: sampling[k]
-            for k in (
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "min_tokens",
-                "stop_token_ids",
-                "ignore_eos",
-                "repetition_penalty",
-            )
-            if sampling.get(k) is not None
-        }
-        params = []
-        for p, seed in zip(prompt_token_ids, seeds, strict=True):
-            params.append(
-                SamplingParams(
-                    n=n,
-                    max_tokens=response_room(p, sampling, self.max_model_len),
-                    seed=seed,
-                    logprobs=logprobs,
-                    detokenize=False,
-                    flat_logprobs=True,
-                    **common,
-                )
-            )
+        seeds = _per_prompt_seeds(sampling.get("seed"), len(prompt_token_ids), sampling.get("n", 1))
+        params = [
+            sampling_params(sampling, seed=seed, max_tokens=response_room(p, sampling, self.max_model_len))
+            for p, seed in zip(prompt_token_ids, seeds, strict=True)
+        ]
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results: list[list[dict]] = []

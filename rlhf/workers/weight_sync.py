@@ -30,6 +30,8 @@ This module imports neither vLLM nor Ray at module level.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -181,15 +183,40 @@ class EnginePoolClient:
 
 
 def vllm_weight_source(model: torch.nn.Module, bucket_bytes: int, *, zero3: bool) -> Any:
-    """``gathered_weights`` as a vLLM ``WeightSource`` (imports vLLM: call on the trainer rank)."""
+    """``gathered_weights`` as a vLLM ``WeightSource`` (imports vLLM: call on the trainer rank).
+
+    The ``WeightSource`` contract changed between the vLLM the CPU tests run (0.32: a
+    ``metadata()`` method and ``__iter__``) and the one the GPU extra installs (0.33: a
+    ``metadata`` cached property, ``iter_full()``, per-parameter owners; a ``metadata``
+    method is a TypeError when the class is defined). Both are served from the same stream;
+    every rank owns every parameter (ZeRO gathers them), so the default owners apply.
+    """
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    class _GatheredSource(WeightSource):
-        def metadata(self) -> list[Any]:
-            return [ParamMeta(m.name, m.dtype, m.shape) for m in param_metas(model)]
+    def declared() -> list[Any]:
+        return [ParamMeta(m.name, m.dtype, m.shape) for m in param_metas(model)]
 
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return gathered_weights(model, bucket_bytes, zero3=zero3)
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        return gathered_weights(model, bucket_bytes, zero3=zero3)
+
+    if isinstance(inspect.getattr_static(WeightSource, "metadata"), property):  # vLLM >= 0.33
+
+        class _GatheredSource(WeightSource):
+            @functools.cached_property
+            def metadata(self) -> list[Any]:  # type: ignore[override]
+                return declared()
+
+            def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+                return stream()
+
+    else:  # vLLM 0.32
+
+        class _GatheredSource(WeightSource):  # type: ignore[no-redef]
+            def metadata(self) -> list[Any]:
+                return declared()
+
+            def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+                return stream()
 
     return _GatheredSource()
 

@@ -12,13 +12,24 @@ import pytest
 pytestmark = pytest.mark.cpu
 
 REPO = Path(__file__).resolve().parents[2]
+# The lent GPU machine has torch and transformers (and accelerate, peft) but none of these:
+# an import of one of them anywhere on the bench's path fails there, after the device is started.
+NOT_ON_THE_DEVICE = {"ray", "vllm", "deepspeed", "hydra", "omegaconf", "math_verify", "datasets"}
+# Runs the bench as __main__ and prints, at exit, every top-level package it imported.
+RUN_AND_LIST_IMPORTS = (
+    "import atexit, json, runpy, sys\n"
+    "atexit.register(lambda: print('TOP_LEVEL_MODULES=' + json.dumps(sorted({m.split('.')[0] for m in sys.modules}))))\n"
+    "sys.argv = ['bench/gpu_step.py'] + sys.argv[1:]\n"
+    "runpy.run_path('bench/gpu_step.py', run_name='__main__')\n"
+)
 
 
 def test_gpu_step_bench_tiny_on_cpu(tmp_path):
     out = tmp_path / "r.json"
     cmd = [
         sys.executable,
-        "bench/gpu_step.py",
+        "-c",
+        RUN_AND_LIST_IMPORTS,
         "--tiny",
         "--samples",
         "12",
@@ -47,3 +58,7 @@ def test_gpu_step_bench_tiny_on_cpu(tmp_path):
     assert packed["computed_tokens"] == r["real_tokens"] < padded["computed_tokens"]
     assert all(t["step_s"] > 0 and t["tokens_per_s"] > 0 for t in r["timings"])
     assert "packed == per-sample" in proc.stdout and "vs padded" in proc.stdout
+    imported = json.loads(proc.stdout.rsplit("TOP_LEVEL_MODULES=", 1)[1].splitlines()[0])
+    assert "torch" in imported and "transformers" in imported
+    extra = sorted(NOT_ON_THE_DEVICE & set(imported))
+    assert not extra, f"bench/gpu_step.py imports {extra}, which the GPU machine does not have"

@@ -247,22 +247,92 @@ def test_cpu_run_pushes_through_the_object_store_and_never_sleeps():
     assert run_two_steps(cfg) == [("get_weights_ref", 8 << 20), ("update_weights", "ref")] * 2
 
 
+def declared(source) -> list:
+    """The source's metadata under either vLLM contract (0.32: a method; 0.33: a property)."""
+    meta = source.metadata
+    return meta() if callable(meta) else meta
+
+
+def wrapped_tiny_model(model_dir: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # names gain "module.", as under DeepSpeed
+    return wrapper, model
+
+
 def test_weight_source_meets_vllms_contract(tiny_qwen2_dir):
-    """vLLM's own checks on our WeightSource: metadata() agrees with iteration element by element
-    (what its NCCL sender verifies before each broadcast), and its per-group batching accepts
-    the order. The transfer itself needs GPUs."""
+    """vLLM's own checks on our WeightSource: metadata agrees with iteration element by element
+    (what its NCCL sender verifies before each broadcast), and every rank owns every
+    parameter (what its IPC sender requires). The transfer itself needs GPUs.
+
+    Runs against the installed vLLM (0.32 here and in CI); scripts/check_vllm_gpu_api.sh runs
+    it against the GPU extra's vLLM, whose WeightSource contract differs."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
     from rlhf.workers.weight_sync import vllm_weight_source
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
-    wrapper = torch.nn.Module()
-    wrapper.module = model
+    wrapper, model = wrapped_tiny_model(tiny_qwen2_dir)
     source = vllm_weight_source(wrapper, bucket_bytes=4096, zero3=False)
-    meta = source.metadata()
-    assert [m.name for m in meta] == [n for n, _ in model.named_parameters()]
+    meta = declared(source)
+    names = [n for n, _ in model.named_parameters()]
+    assert [m.name for m in meta] == names
+    assert all(
+        tuple(m.shape) == tuple(p.shape) for m, (_, p) in zip(meta, model.named_parameters(), strict=True)
+    )
     for _ in range(2):  # re-iterable: every sync is a fresh pass
         sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
-        assert len(sent) == len(meta)
-    grouped = [n for names, _ in source.iter_groups() for n in names]
-    assert grouped == [m.name for m in meta]
+        assert [n for n, _ in sent] == names
+    if hasattr(source, "owned_names"):  # vLLM >= 0.33
+        assert source.implements_iter_full()
+        assert source.owned_names(0) == source.owned_names(3) == names
+
+
+class RecordingClient:
+    """vLLM's VLLMWeightSyncClient protocol, recording calls (a non-sender must make none)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append("init")
+
+    def start_weight_update(self):
+        self.calls.append("start")
+
+    def update_weights(self, update_info):
+        self.calls.append("update")
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append("finish")
+
+
+def test_non_sender_rank_joins_every_bucket_gather_through_vllms_nccl_engine(tiny_llama_dir, monkeypatch):
+    """A training rank other than 0 holds no NCCL endpoint, but under ZeRO-3 it must still walk
+    the whole stream so the per-bucket gathers line up with rank 0's. vLLM's real trainer
+    engine drives it (no CUDA on that path); every sync must walk every bucket again."""
+    from rlhf.workers import weight_sync
+
+    walked: list[list[str]] = []
+    real = weight_sync.gathered_weights
+
+    def recording(model, bucket_bytes, *, zero3, on_bucket=None):
+        walked.append([])
+        for name, t in real(model, bucket_bytes, zero3=zero3, on_bucket=on_bucket):
+            walked[-1].append(name)
+            yield name, t
+
+    monkeypatch.setattr(weight_sync, "gathered_weights", recording)
+    wrapper, model = wrapped_tiny_model(tiny_llama_dir)
+    client = RecordingClient()
+    transfer = weight_sync.open_trainer_transfer(
+        "nccl",
+        client=client,  # type: ignore[arg-type]
+        source=weight_sync.vllm_weight_source(wrapper, 4096, zero3=False),
+        rank=1,
+        bucket_bytes=4096,
+        engine_workers=2,
+    )
+    for _ in range(2):
+        transfer.send_weights()
+    assert client.calls == []
+    assert walked == [[n for n, _ in model.named_parameters()]] * 2
