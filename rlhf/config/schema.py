@@ -323,6 +323,12 @@ def check_weight_sync(mode: str, device: str, colocate_engines: bool, backend: s
             "cluster.colocate_engines=true needs cluster.device=cuda: colocated engines sleep (vLLM sleep "
             "mode, GPU only) while the trainer runs; set cluster.colocate_engines=false"
         )
+    if mode == "nccl" and colocate_engines:
+        raise ValueError(
+            "rollout.weight_sync=nccl with cluster.colocate_engines=true puts actor rank 0 and engine 0 on one GPU, "
+            "and NCCL refuses two ranks of a group on one GPU ('Duplicate GPU detected'); colocated engines take "
+            "weights through CUDA IPC: set rollout.weight_sync=ipc (or auto)"
+        )
     if mode == "ipc" and not colocate_engines:
         raise ValueError(
             "rollout.weight_sync=ipc shares GPU memory handles, so the engines must run on the training GPUs: "
@@ -475,6 +481,13 @@ class PPOConfig:
                 r.num_engines <= max(c.actor_ranks, c.critic_ranks, c.ref_ranks, c.reward_ranks),
                 f"cluster.colocate_engines=true puts engine i on training bundle i: rollout.num_engines "
                 f"({r.num_engines}) must be <= the largest cluster.*_ranks",
+            )
+            _check(
+                resolve_weight_sync(r.weight_sync, c.device, True, r.backend) != "ipc"
+                or r.num_engines <= c.actor_ranks,
+                f"rollout.weight_sync=ipc: engine i opens the CUDA IPC handles of actor rank i, on its own GPU, so "
+                f"rollout.num_engines ({r.num_engines}) must be <= cluster.actor_ranks ({c.actor_ranks}); "
+                "lower rollout.num_engines or raise cluster.actor_ranks",
             )
             _check(
                 self.train.max_staleness == 0,

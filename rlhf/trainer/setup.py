@@ -250,13 +250,17 @@ def _bundles(cfg: PPOConfig, roles: list[tuple[str, int, str, float]]) -> dict[s
         # num_engines <= bundles), asking its own share of the same GPU.
         k = len(roles)
         e = 1 if c.colocate_engines else 0
-        out = {
-            "all": (
-                max(r[1] for r in roles),
-                c.cpus_per_worker * k + c.cpus_per_engine * e,
-                c.gpus_per_worker * k + c.gpus_per_engine * e,
+        gpus = c.gpus_per_worker * k + c.gpus_per_engine * e
+        if c.colocate_engines and gpus > 1:
+            # Ray grants a bundle of more than one GPU and may then place its actors on different
+            # GPUs: the engine would not share actor rank i's GPU (CUDA IPC fails, sleep frees nothing).
+            raise ValueError(
+                f"cluster.colocate_engines=true: engine i must share one GPU with rank i of every role, but "
+                f"bundle i asks {gpus:g} GPUs ({k} roles {[r[0] for r in roles]} x cluster.gpus_per_worker="
+                f"{c.gpus_per_worker:g} + cluster.gpus_per_engine={c.gpus_per_engine:g}); make them sum to <= 1, "
+                f"e.g. cluster.gpus_per_worker={(1 - c.gpus_per_engine) / k:.3g}"
             )
-        }
+        out = {"all": (max(r[1] for r in roles), c.cpus_per_worker * k + c.cpus_per_engine * e, gpus)}
     else:
         out = {role: (ranks, c.cpus_per_worker, c.gpus_per_worker) for role, ranks, _, _ in roles}
     if not c.colocate_engines:

@@ -506,7 +506,9 @@ class ModelWorker:
             address, port = ray.util.get_node_ip_address(), free_port()
         self._transfer = open_trainer_transfer(
             mode,
-            client=EnginePoolClient(engines, timeout_s),
+            client=EnginePoolClient(
+                engines, timeout_s, workers_per_engine=engine_workers // max(len(engines), 1)
+            ),
             source=vllm_weight_source(self.hf_model, bucket_bytes, zero3=self.zero3),
             rank=self.rank,
             bucket_bytes=bucket_bytes,

@@ -46,6 +46,7 @@ __all__ = [
     "EnginePoolClient",
     "TensorMeta",
     "check_weight_sync",
+    "engine_init_payloads",
     "engine_param_name",
     "full_shape",
     "gathered_weights",
@@ -147,20 +148,38 @@ def gathered_weights(
 
 
 # ---------------------------------------------------------------------------- vLLM transfer (GPU)
+def engine_init_payloads(
+    init_info: dict[str, Any], engines: int, workers_per_engine: int
+) -> list[dict[str, Any]]:
+    """The trainer's worker-side init payload, one per engine, with the NCCL ranks made unique.
+
+    vLLM gives a worker the NCCL rank ``rank_offset + dp_rank * workers + worker_rank`` and the
+    trainer sends ``rank_offset=1`` for every worker, which is unique only within ONE engine (its
+    data-parallel replicas included). Our engines are separate ``LLM`` instances, each with
+    ``dp_rank`` 0, so engine ``j`` gets ``rank_offset = 1 + j * workers_per_engine``: ranks
+    ``1 .. engines * workers_per_engine``, the ``world_size - 1`` the trainer declared. Payloads
+    without ``rank_offset`` (ipc) are the same for every engine.
+    """
+    if "rank_offset" not in init_info:
+        return [init_info] * engines
+    base = int(init_info["rank_offset"])
+    return [{**init_info, "rank_offset": base + j * workers_per_engine} for j in range(engines)]
+
+
 class EnginePoolClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol over our engine actors (structural: four methods).
 
     Each call fans out to every engine actor and waits at most ``timeout_s`` for all of them.
     """
 
-    def __init__(self, engines: list[Any], timeout_s: float) -> None:
+    def __init__(self, engines: list[Any], timeout_s: float, workers_per_engine: int = 1) -> None:
         self.engines = list(engines)
         self.timeout_s = timeout_s
+        self.workers_per_engine = workers_per_engine
 
-    def _all(self, method: str, *args: Any) -> None:
+    def _wait(self, method: str, refs: list[Any]) -> None:
         import ray
 
-        refs = [getattr(e, method).remote(*args) for e in self.engines]
         try:
             ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -169,8 +188,15 @@ class EnginePoolClient:
                 "(raise train.rollout_timeout_s, or check the engines' logs)"
             ) from e
 
+    def _all(self, method: str, *args: Any) -> None:
+        self._wait(method, [getattr(e, method).remote(*args) for e in self.engines])
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("transfer_init", init_info)
+        payloads = engine_init_payloads(init_info, len(self.engines), self.workers_per_engine)
+        self._wait(
+            "transfer_init",
+            [e.transfer_init.remote(p) for e, p in zip(self.engines, payloads, strict=True)],
+        )
 
     def start_weight_update(self) -> None:
         self._all("transfer_start")

@@ -97,7 +97,7 @@ def test_stream_runs_the_bucket_hook_once_per_bucket(tiny_llama_dir):
         ("auto", "cuda", False, "nccl"),
         ("auto", "cuda", True, "ipc"),
         ("object_store", "cuda", True, "object_store"),
-        ("nccl", "cuda", True, "nccl"),
+        ("nccl", "cuda", False, "nccl"),
     ],
 )
 def test_auto_weight_sync(mode, device, colocate, want):
@@ -148,11 +148,33 @@ def test_the_hf_backend_always_syncs_through_the_object_store():
             },
             r"rollout.num_engines \(2\) must be <= the largest cluster.\*_ranks",
         ),
+        (  # OpenRLHF#726: NCCL will not put two ranks of one group on one GPU
+            {
+                "cluster": ClusterConfig(device="cuda", colocate_engines=True),
+                "rollout": RolloutConfig(weight_sync="nccl"),
+            },
+            r"weight_sync=nccl with cluster.colocate_engines=true .*'Duplicate GPU detected'.*weight_sync=ipc",
+        ),
+        (  # engine 1 would sit on the critic's second GPU, where no actor rank exports handles
+            {
+                "cluster": ClusterConfig(device="cuda", colocate_engines=True, critic_ranks=2),
+                "rollout": RolloutConfig(num_engines=2),
+            },
+            r"weight_sync=ipc: .* rollout.num_engines \(2\) must be <= cluster.actor_ranks \(1\)",
+        ),
     ],
 )
 def test_gpu_only_choices_on_the_wrong_cluster_are_config_errors(fields, match):
     with pytest.raises(ValueError, match=match):
         PPOConfig(**fields)
+
+
+def test_colocated_engines_beyond_the_actor_ranks_are_fine_through_the_object_store():
+    cfg = PPOConfig(
+        cluster=ClusterConfig(device="cuda", colocate_engines=True, critic_ranks=2),
+        rollout=RolloutConfig(num_engines=2, weight_sync="object_store"),
+    )
+    assert resolve_weight_sync(cfg.rollout.weight_sync, "cuda", True) == "object_store"
 
 
 def test_bad_mode_and_sleep_level_are_refused():
@@ -164,20 +186,35 @@ def test_bad_mode_and_sleep_level_are_refused():
         check_weight_sync("rdma", "cuda", False)
 
 
-def test_colocated_engines_join_the_training_bundles():
-    cfg = PPOConfig(
+def colocated(gpus_per_worker: float) -> PPOConfig:
+    return PPOConfig(
         cluster=ClusterConfig(
-            device="cuda", colocate_engines=True, actor_ranks=2, gpus_per_worker=0.25, gpus_per_engine=0.5
+            device="cuda",
+            colocate_engines=True,
+            actor_ranks=2,
+            gpus_per_worker=gpus_per_worker,
+            gpus_per_engine=0.5,
         ),
         rollout=RolloutConfig(num_engines=2),
     )
+
+
+def test_colocated_engines_join_the_training_bundles():
+    cfg = colocated(0.15)
     roles = _roles(cfg, "m")
+    assert len(roles) == 3  # actor, reference, critic
     bundles = _bundles(cfg, roles)
     assert set(bundles) == {"all"}  # no placement group of their own
     n, cpus, gpus = bundles["all"]
-    assert n == 2 and gpus == pytest.approx(0.25 * len(roles) + 0.5)
+    assert n == 2 and gpus == pytest.approx(0.15 * 3 + 0.5)
     separate = _bundles(PPOConfig(cluster=ClusterConfig(device="cuda", gpus_per_engine=1.0)), roles)
     assert separate["engines"] == (1, 1.0, 1.0)
+
+
+def test_colocated_shares_over_one_gpu_are_refused_before_anything_is_reserved():
+    # 3 roles x 0.25 + 0.5 = 1.25: Ray would grant it and might split the bundle over two GPUs.
+    with pytest.raises(ValueError, match=r"bundle i asks 1.25 GPUs .* cluster.gpus_per_worker=0.167"):
+        _bundles(colocated(0.25), _roles(colocated(0.25), "m"))
 
 
 # ---------------------------------------------------------------------------- sleep / push order
@@ -336,3 +373,69 @@ def test_non_sender_rank_joins_every_bucket_gather_through_vllms_nccl_engine(tin
         transfer.send_weights()
     assert client.calls == []
     assert walked == [[n for n, _ in model.named_parameters()]] * 2
+
+
+# ---------------------------------------------------------------------------- NCCL ranks per engine
+def test_every_engine_worker_gets_its_own_nccl_rank():
+    """vLLM's trainer sends rank_offset=1 to all workers (unique within one engine); separate
+    engines would all claim rank 1 and the rendezvous could never complete (OpenRLHF gives
+    engine i the offset 1 + i * tp for the same reason)."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    from rlhf.workers.weight_sync import engine_init_payloads
+
+    engines, tp = 3, 2
+    sent = worker_init_payload(  # what vLLM's NCCL trainer hands the client
+        NCCLWeightTransferInitInfo(
+            master_address="10.0.0.1", master_port=29500, rank_offset=1, world_size=1 + engines * tp
+        )
+    )
+    payloads = engine_init_payloads(sent, engines, tp)
+    # vLLM's worker rank: rank_offset + dp_rank * workers + worker rank, dp_rank 0 in each engine
+    ranks = [p["rank_offset"] + w for p in payloads for w in range(tp)]
+    assert sorted(ranks) == list(range(1, sent["world_size"]))
+    rest = {k: v for k, v in sent.items() if k != "rank_offset"}
+    assert all({k: v for k, v in p.items() if k != "rank_offset"} == rest for p in payloads)
+    # ipc's payload has no ranks: every engine gets it as it is
+    assert engine_init_payloads({"packed": True}, engines, tp) == [{"packed": True}] * engines
+
+
+@pytest.mark.e2e
+def test_pool_client_sends_each_engine_its_payload(ray_session):
+    """EnginePoolClient over real Ray actors (stand-ins for engines, which need GPUs for this)."""
+    from rlhf.workers.weight_sync import EnginePoolClient
+
+    @ray_session.remote(num_cpus=0)
+    class RecordingEngine:
+        def __init__(self):
+            self.got = []
+
+        def transfer_init(self, info):
+            self.got.append(("init", info))
+
+        def transfer_start(self):
+            self.got.append(("start",))
+
+        def transfer_update(self, info):
+            self.got.append(("update", info))
+
+        def transfer_finish(self):
+            self.got.append(("finish",))
+
+        def calls(self):
+            return self.got
+
+    engines = [RecordingEngine.remote() for _ in range(2)]
+    client = EnginePoolClient(engines, timeout_s=60, workers_per_engine=1)
+    client.init_weight_transfer_engine({"rank_offset": 1, "world_size": 3})
+    client.start_weight_update()
+    client.update_weights({"names": ["w"]})
+    client.finish_weight_update()
+    got = ray_session.get([e.calls.remote() for e in engines], timeout=60)
+    for j, calls in enumerate(got):
+        assert calls == [
+            ("init", {"rank_offset": 1 + j, "world_size": 3}),
+            ("start",),
+            ("update", {"names": ["w"]}),
+            ("finish",),
+        ]
