@@ -230,6 +230,34 @@ def test_packed_varlen_plumbing(name, kernel_kw, monkeypatch):
     assert fake_flash_varlen_cpu.calls == served
 
 
+@pytest.mark.parametrize("gqa_kw", [True, False], ids=["enable_gqa", "repeated_heads"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_varlen_call_fits_torchs_real_op_on_the_meta_device(gqa_kw, window):
+    """The installed torch's real varlen_attn (GPU-only kernels, but shape functions for the
+    meta device) accepts our call, forward and backward: argument order, int32 offsets, the
+    window tuple and, when torch lacks ``enable_gqa`` (2.11), the repeated KV heads."""
+    real = attention.torch_varlen_kernel()
+    if real is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    if gqa_kw and not real.has_gqa:
+        pytest.skip("this torch's varlen_attn has no enable_gqa")
+    kernel = VarlenKernel(
+        fn=real.fn, has_window=real.has_window, has_is_causal=real.has_is_causal, has_gqa=gqa_kw
+    )
+    if not kernel.supports(window):
+        pytest.skip("this torch's varlen_attn cannot express a window")
+    t, heads, kv_heads, dim = 10, 4, 2, 16
+    q, k, v = (
+        torch.randn(t, h, dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")
+    out = kernel(q, k, v, cu, 6, scale=dim**-0.5, window=window)
+    assert out.shape == (t, heads, dim) and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def test_packed_varlen_without_kernel_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(attention, "torch_varlen_kernel", lambda: None)
     with pytest.raises(ValueError, match="packed_varlen needs torch.nn.attention.varlen"):
