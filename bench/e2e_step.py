@@ -61,9 +61,19 @@ class CpuSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        # One more, so that every span inside the block has a sample covering its end.
+        self.samples.append((time.perf_counter(), self.psutil.cpu_percent(interval=None)))
 
     def mean(self, t0: float, t1: float) -> float:
-        inside = [p for t, p in self.samples if t0 < t <= t1 + self.every_s]
+        """Mean CPU % of the samples that cover [t0, t1]. A sample is the use since the one before
+        it, so these are the samples after t0 up to the first at or after t1: at least one for any
+        span inside the block, however short, and however late a busy machine lets this thread run."""
+        inside = []
+        for t, p in self.samples:
+            if t > t0:
+                inside.append(p)
+                if t >= t1:
+                    break
         return statistics.fmean(inside) if inside else float("nan")
 
 
