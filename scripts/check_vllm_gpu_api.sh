@@ -26,5 +26,6 @@ source scripts/env.sh
 found=$(PYTHONPATH="$tree" .venv/bin/python -c "import vllm.engine.arg_utils as a; print(a.__file__)" 2>/dev/null)
 [[ "$found" == "$tree"/* ]] || { echo "vLLM $version from $tree was not the one imported ($found)" >&2; exit 1; }
 echo "checking against vLLM $version ($tree)"
-PYTHONPATH="$tree" exec .venv/bin/python -m pytest -q -p no:cacheprovider \
+# not e2e: those tests start Ray and exercise none of vLLM's code
+PYTHONPATH="$tree" exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not e2e" \
     tests/workers/test_vllm_api.py tests/workers/test_weight_sync.py "$@"

@@ -63,12 +63,17 @@ def test_engine_param_name(name, want):
     assert engine_param_name(name) == want
 
 
+def wrapped_tiny_model(model_dir: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # how DeepSpeed's engine exposes the model: ``module.`` prefix
+    return wrapper, model
+
+
 def test_stream_names_are_the_checkpoint_names_the_engine_loads(tiny_qwen2_dir):
     """Through the DeepSpeed-style wrapper, the sent names are exactly the saved safetensors keys
     (what vLLM's load_weights reads), tied weights once, tensors equal."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
-    wrapper = torch.nn.Module()
-    wrapper.module = model  # how DeepSpeed's engine exposes the model: ``module.`` prefix
+    wrapper, _ = wrapped_tiny_model(tiny_qwen2_dir)
     saved = load_file(str(tiny_qwen2_dir / "model.safetensors"))
     sent = list(gathered_weights(wrapper, bucket_bytes=4096, zero3=False))
     assert [n for n, _ in sent] == [m.name for m in param_metas(wrapper)]
@@ -288,13 +293,6 @@ def declared(source) -> list:
     """The source's metadata under either vLLM contract (0.32: a method; 0.33: a property)."""
     meta = source.metadata
     return meta() if callable(meta) else meta
-
-
-def wrapped_tiny_model(model_dir: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    wrapper = torch.nn.Module()
-    wrapper.module = model  # names gain "module.", as under DeepSpeed
-    return wrapper, model
 
 
 def test_weight_source_meets_vllms_contract(tiny_qwen2_dir):
