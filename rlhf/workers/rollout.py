@@ -175,8 +175,19 @@ def llm_kwargs(
     tensor_parallel_size: int,
     weight_transfer: str | None,
     sleep_mode: bool,
+    chunked_prefill: bool = True,
 ) -> dict[str, Any]:
-    """The ``vllm.LLM`` keyword arguments of a rollout engine (``RolloutEngine`` documents them)."""
+    """The ``vllm.LLM`` keyword arguments of a rollout engine (``RolloutEngine`` documents them).
+
+    ``chunked_prefill=False`` is what a CPU engine needs: when a step's token budget
+    (``max_num_batched_tokens``, 4096 on CPU) ends inside a prompt, vLLM prefills that prompt in
+    two chunks and rewinds the request's seeded generator by the draw it discarded
+    (``gen.set_offset(gen.get_offset() - 4)`` in ``GPUModelRunner``). Only CUDA's Philox
+    generators have an offset; a CPU ``torch.Generator`` raises "CPU Generator does not use
+    offset", so any seeded call over ~4k prompt tokens died. Without chunking each prompt is
+    prefilled whole (the budget becomes at least ``max_model_len``), the rest wait for the next
+    step, and no request is cut or dropped.
+    """
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
         dtype=dtype,
@@ -193,6 +204,8 @@ def llm_kwargs(
         kwargs["weight_transfer_config"] = {"backend": weight_transfer}
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if not chunked_prefill:
+        kwargs["enable_chunked_prefill"] = False
     return kwargs
 
 
@@ -357,6 +370,8 @@ class RolloutEngine(EngineCounters):
                 tensor_parallel_size=tensor_parallel_size,
                 weight_transfer=weight_transfer,
                 sleep_mode=sleep_mode,
+                # seeded requests + chunked prefill crash on CPU generators (see llm_kwargs)
+                chunked_prefill=torch.cuda.is_available(),
             ),
             **(extra or {}),
         )

@@ -230,6 +230,26 @@ def test_overlong_prompt_is_refused_before_sending(pool) -> None:
 
 
 @pytest.mark.e2e
+def test_seeded_call_of_20k_prompt_tokens_is_served_whole(pool) -> None:
+    """Regression: a seeded call whose prompts pass vLLM's CPU token budget per step (4096)
+    died with "CPU Generator does not use offset" (chunked prefill rewinds a CPU generator).
+    It must now return every completion, and each completion must be the one its seed gives in
+    a small call: the big call neither drops, cuts nor reseeds anything."""
+    n, prompt_len = 2, MAX_MODEL_LEN - 4
+    prompts = [[1] + [10 + (i * 7 + j) % 90 for j in range(prompt_len - 1)] for i in range(340)]
+    assert sum(map(len, prompts)) >= 20_000
+    sampling = {"n": n, "temperature": 1.0, "max_tokens": 3, "seed": 11, "ignore_eos": True}
+    t0 = time.perf_counter()
+    big = pool.generate(prompts, sampling)
+    TIMINGS["generate_20k_prompt_tokens_s"] = time.perf_counter() - t0
+    assert [len(c) for c in big] == [n] * len(prompts)
+    assert all(len(c["token_ids"]) == 3 for comps in big for c in comps)
+    for i in (0, 170, 339):  # prompt i's seed is 11 + i*n whatever call it comes in
+        small = pool.generate([prompts[i]], {**sampling, "seed": [11 + i * n]})[0]
+        assert [c["token_ids"] for c in small] == [c["token_ids"] for c in big[i]]
+
+
+@pytest.mark.e2e
 def test_weight_sync_changes_output_to_new_weights(pool, hf_model) -> None:
     old = [c[0]["token_ids"] for c in pool.generate(PROMPTS, GREEDY)]
     new_model = perturbed(hf_model, seed=1)

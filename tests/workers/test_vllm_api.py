@@ -43,12 +43,15 @@ def test_engine_arguments_are_vllms(tiny_qwen2_dir, transfer):
         tensor_parallel_size=1,
         weight_transfer=transfer,
         sleep_mode=transfer is not None,
+        chunked_prefill=transfer is not None,
     )
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)}
     assert not unknown, f"vllm.EngineArgs has no {sorted(unknown)}"
     args = EngineArgs(**kwargs)  # vLLM's own validation of each value
     assert args.enable_sleep_mode is (transfer is not None)
     assert args.logprobs_mode == "processed_logprobs"
+    # CPU engines (no transfer here) must not chunk a seeded prefill (rollout.llm_kwargs)
+    assert args.enable_chunked_prefill is (False if transfer is None else None)
     if transfer is None:
         assert args.weight_transfer_config is None
     else:
