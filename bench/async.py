@@ -47,6 +47,7 @@ def _config(args: argparse.Namespace, out: str):
     return compose(
         "ppo",
         [
+            "experiment=toy_count",
             "algorithm=grpo",
             "algorithm.kl_coef=0",  # no reference group: one engine and one training rank
             # lr 0: the full train step runs (forward, backward, optimizer), the weights stay, so

@@ -84,6 +84,7 @@ def _config(size: str, steps: int, out: str, overrides: tuple[str, ...] = ()):
     return compose(
         "ppo",
         [
+            "experiment=toy_count",
             "algorithm=grpo",
             "algorithm.kl_coef=0.01",
             f"train.num_steps={steps}",

@@ -10,10 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-import hydra
-from omegaconf import DictConfig
-
-from rlhf.config import register_configs, to_object
+from rlhf.config import register_configs
 from rlhf.config.schema import PPOConfig
 
 register_configs()
@@ -30,7 +27,7 @@ def run(cfg: PPOConfig) -> list[dict]:
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir
 
-    reward_fn = Reward.from_config(cfg.reward) if cfg.reward.type == "function" else None
+    reward_fn = Reward.from_config(cfg.reward) if cfg.reward.type == "function" and cfg.reward.specs else None
     env_factory = None
     if cfg.env.name:
         load_env(cfg.env.name)  # fail now, not mid-rollout, on a bad env.name
@@ -54,10 +51,11 @@ def run(cfg: PPOConfig) -> list[dict]:
         eval_prompts, _ = load_prompts(
             cfg.eval.prompts,
             tok,
-            cfg.data.prompt_key,
+            cfg.eval.prompt_key or cfg.data.prompt_key,
             max_len=cfg.data.max_prompt_len,
             overlong=cfg.data.overlong_prompts,
-            label_key=cfg.data.label_key,
+            label_key=cfg.eval.label_key or cfg.data.label_key,
+            section="eval",
         )
         eval_prompts = eval_prompts[: cfg.eval.max_prompts or None]
     init_ray(cfg.cluster)
@@ -111,11 +109,10 @@ def with_recovery(attempt: Callable[[PPOConfig, int], list[dict]], cfg: PPOConfi
             recoveries += 1
 
 
-@hydra.main(config_path="../conf", config_name="ppo", version_base=None)
-def main(cfg: DictConfig) -> None:
-    from rlhf.trainer.run_control import exit_on_preemption
+def main() -> None:
+    from rlhf import cli
 
-    exit_on_preemption(run, to_object(cfg))
+    cli.main("ppo", run)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,7 @@ The result, ``<train.output_dir>/final``, is an ``AutoModelForSequenceClassifica
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig
-
-from rlhf.config import register_configs, to_object
+from rlhf.config import register_configs
 from rlhf.config.trainers import RMConfig
 
 register_configs()
@@ -37,11 +34,10 @@ def run(cfg: RMConfig) -> list[dict]:
         return RMTrainer(cfg, group, train, held_out).fit()
 
 
-@hydra.main(config_path="../conf", config_name="rm", version_base=None)
-def main(cfg: DictConfig) -> None:
-    from rlhf.trainer.run_control import exit_on_preemption
+def main() -> None:
+    from rlhf import cli
 
-    exit_on_preemption(run, to_object(cfg))
+    cli.main("rm", run)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import logging
 
-import hydra
-from omegaconf import DictConfig
-
-from rlhf.config import register_configs, to_object
+from rlhf.config import register_configs
 from rlhf.config.trainers import SFTConfig
 
 register_configs()
@@ -45,11 +42,10 @@ def run(cfg: SFTConfig) -> list[dict]:
         return SFTTrainer(cfg, group, train, held_out).fit()
 
 
-@hydra.main(config_path="../conf", config_name="sft", version_base=None)
-def main(cfg: DictConfig) -> None:
-    from rlhf.trainer.run_control import exit_on_preemption
+def main() -> None:
+    from rlhf import cli
 
-    exit_on_preemption(run, to_object(cfg))
+    cli.main("sft", run)
 
 
 if __name__ == "__main__":

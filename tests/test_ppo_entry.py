@@ -17,7 +17,15 @@ def test_default_job_reward_rises(tmp_path):
     """The default experiment, shortened: the toy reward must visibly rise."""
     from rlhf.ppo import run
 
-    cfg = compose("ppo", [f"train.output_dir={tmp_path}", "train.num_steps=40", "train.tensorboard=false"])
+    cfg = compose(
+        "ppo",
+        [
+            "experiment=toy_count",
+            f"train.output_dir={tmp_path}",
+            "train.num_steps=40",
+            "train.tensorboard=false",
+        ],
+    )
     history = run(cfg)
     rewards = [h["reward/mean"] for h in history]
     assert len(rewards) == 40
@@ -29,34 +37,85 @@ def test_default_job_reward_rises(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_40"
 
 
-def test_cli_rejects_bad_key_before_starting_anything(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlhf.ppo", "algorithm.not_a_key=1", f"train.output_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf.ppo", *args], capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode != 0
-    assert "algorithm.not_a_key" in proc.stderr
+
+
+def _one_clear_error(proc: subprocess.CompletedProcess) -> str:
+    """A user's mistake: exit code 2, one message on stderr, no Python traceback there."""
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    return errors[0]
+
+
+def test_cli_rejects_bad_key_before_starting_anything(tmp_path):
+    msg = _one_clear_error(
+        _cli("experiment=toy_count", "algorithm.not_a_key=1", f"train.output_dir={tmp_path}")
+    )
+    assert "algorithm.not_a_key" in msg and "+algorithm" not in msg
     assert not (tmp_path / "tiny_model").exists()
+    # a misspelt key names the closest schema field
+    msg = _one_clear_error(_cli("experiment=toy_count", "train.num_step=3", f"train.output_dir={tmp_path}"))
+    assert "did you mean train.num_steps?" in msg
+    msg = _one_clear_error(_cli("experiment=toy_count", "trian.num_steps=3"))
+    assert "did you mean train.num_steps?" in msg
 
 
 def test_cli_semantic_error_names_field(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlhf.ppo",
+    msg = _one_clear_error(
+        _cli(
+            "experiment=toy_count",
             "algorithm=rloo",
             "rollout.n_samples_per_prompt=1",
             f"train.output_dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        )
     )
-    assert proc.returncode != 0
-    assert "rollout.n_samples_per_prompt" in proc.stderr
+    assert "rollout.n_samples_per_prompt" in msg
+
+
+def test_cli_data_and_reward_mistakes_are_one_message_with_the_traceback_in_the_log(tmp_path):
+    """Errors found after the config composed: the data file and the reward function."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "count 1 2 3"}\n')
+    out = tmp_path / "run"
+    msg = _one_clear_error(
+        _cli(
+            f"data.prompts={rows}",
+            "reward.function=rlhf.rewards.verifiers:exact_match_reward",
+            f"train.output_dir={out}",
+        )
+    )
+    assert f"{rows}:1: missing column 'prompt'" in msg and "data.prompt_key" in msg
+    assert f"traceback: {out / 'logs' / 'error.log'}" in msg
+    assert "Traceback (most recent call last)" in (out / "logs" / "error.log").read_text()
+    msg = _one_clear_error(
+        _cli(
+            f"data.prompts={rows}",
+            "data.prompt_key=question",
+            "reward.function=no_such_module:fn",
+            f"train.output_dir={out}",
+        )
+    )
+    assert "reward.function='no_such_module:fn'" in msg
+
+
+def test_cli_without_data_or_reward_is_a_config_error_naming_the_keys(tmp_path):
+    msg = _one_clear_error(_cli(f"train.output_dir={tmp_path}"))
+    assert "data.prompts is not set" in msg and "experiment=toy_count" in msg
+    msg = _one_clear_error(_cli("data.prompts=my.parquet", f"train.output_dir={tmp_path}"))
+    assert "no reward" in msg
+    for key in ("reward.function=", "reward.functions=", "reward.type=model", "env.name="):
+        assert key in msg
+    # the recipe's reward.functions and a reward.function on the command line: refused, not one ignored
+    msg = _one_clear_error(
+        _cli("experiment=rlvr_math", "reward.function=rlhf.rewards.verifiers:exact_match_reward")
+    )
+    assert "reward.function=" in msg and "reward.functions=" in msg and "both set" in msg
+    assert not (tmp_path / "tiny_model").exists()
 
 
 def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_dir):
@@ -77,6 +136,7 @@ def test_separate_placement_reward_model_and_reinforce_pp(tmp_path, tiny_llama_d
     cfg = compose(
         "ppo",
         [
+            "experiment=toy_count",
             f"train.output_dir={tmp_path / 'run'}",
             "train.num_steps=2",
             "train.tensorboard=false",

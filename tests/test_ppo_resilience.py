@@ -26,6 +26,7 @@ CALLS_PER_STEP = 4 * 2  # rollout_batch_size x n_samples_per_prompt reward calls
 
 def _overrides(out: Path, model_dir: Path, *extra: str) -> list[str]:
     return [
+        "experiment=toy_count",
         "algorithm=grpo",  # actor + reference groups
         f"model.path={model_dir}",
         f"train.output_dir={out}",

@@ -40,7 +40,11 @@ def to_object(cfg: Any) -> Any:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_object(cfg)
+        obj = OmegaConf.to_object(cfg)
+        check = getattr(obj, "check_required", None)
+        if check is not None:
+            check()
+        return obj
     except OmegaConfBaseException as e:
         cause = e.__cause__ if isinstance(e.__cause__, ValueError) else e
         raise ConfigError(f"invalid config: {cause}") from e

@@ -65,9 +65,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "toy:count" = bundled toy task; else a JSONL or .parquet file, or hf:NAME_OR_DIR[:SPLIT]
-    # (a datasets hub name or save_to_disk dir). Other columns reach the reward as info[...].
-    prompts: str = "toy:count"
+    # A JSONL or .parquet file, or hf:NAME_OR_DIR[:SPLIT] (a datasets hub name or save_to_disk
+    # dir), or "toy:count" (the bundled toy task, experiment=toy_count). Required: no default
+    # data stands in for the user's. Other columns reach the reward as info[...].
+    prompts: str = ""
     prompt_key: str = "prompt"
     label_key: str = ""  # a column every row must have (e.g. "answer"); "" = no check
     num_toy_prompts: int = 256
@@ -122,8 +123,9 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     type: str = "function"  # function | model
-    function: str = "rlhf.rewards.toy:count_reward"  # "module:fn" or "path/to/file.py:fn"
-    # Several functions summed with weights (each logged as reward/<fn>); overrides `function`.
+    # "module:fn" or "path/to/file.py:fn"; "" = none (then a reward model or an env reward must score)
+    function: str = ""
+    # Several functions summed with weights (each logged as reward/<fn>); either this or `function`.
     functions: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # [] = 1 each
     timeout_s: float = 60.0  # longest one reward call (one sample, or one batch) may take
@@ -139,8 +141,14 @@ class RewardConfig:
             not self.weights or len(self.weights) == len(self.functions),
             f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions",
         )
+        _check(
+            not (self.function and self.functions),
+            f"reward.function={self.function!r} and reward.functions={list(self.functions)} are both set, and "
+            "only one can score the run: put every function in reward.functions (with reward.weights), or "
+            "clear the list with reward.functions=[] to use reward.function alone",
+        )
         if self.type == "function":
-            for spec in self.functions or [self.function]:
+            for spec in self.specs:
                 _check(
                     ":" in spec,
                     f"reward.function={spec!r} must look like 'module:fn' or 'path/to/file.py:fn'",
@@ -151,6 +159,11 @@ class RewardConfig:
                 "reward.type=model needs reward.model_path (a reward-model dir "
                 "trained with `python -m rlhf.rm`)",
             )
+
+    @property
+    def specs(self) -> list[str]:
+        """The reward functions that score the run (``functions``, else ``function``; [] = none)."""
+        return list(self.functions) or ([self.function] if self.function else [])
 
 
 @dataclass
@@ -166,7 +179,9 @@ class EnvConfig:
 class EvalConfig:
     """Held-out evaluation on the rollout engines (rlhf.trainer.evaluation)."""
 
-    prompts: str = ""  # same formats as data.prompts (data.prompt_key, data.label_key); "" = off
+    prompts: str = ""  # same formats as data.prompts; "" = off
+    prompt_key: str = ""  # the prompt column of eval.prompts; "" = data.prompt_key
+    label_key: str = ""  # a column every eval row must have; "" = data.label_key
     every: int = 0  # also every N steps (0 = only before the first step and after the last)
     n_samples: int = 1  # samples per prompt at the rollout temperature for pass@k (1 = greedy only)
     success_threshold: float = 1.0  # a response whose reward is >= this counts as correct
@@ -466,6 +481,26 @@ class PPOConfig:
             and t.max_staleness == 0
             and a.rollout_correction == "none"
             and not (a.kl_in_reward and a.kl_coef > 0)
+        )
+
+    def check_required(self) -> None:
+        """What a run needs and no default may stand in for: the user's prompts and a reward.
+
+        Not in ``__post_init__``: Hydra builds the schema's own defaults when it registers it.
+        ``rlhf.config.to_object`` calls this on every composed config."""
+        _check(
+            bool(self.data.prompts),
+            "data.prompts is not set: give your prompts (data.prompts=path/to/train.parquet or .jsonl, or "
+            "hf:NAME[:SPLIT]) and their column (data.prompt_key), or run the bundled toy task with "
+            "experiment=toy_count",
+        )
+        _check(
+            self.reward.type == "model" or bool(self.reward.specs) or bool(self.env.name),
+            "no reward: nothing would score the samples. Set reward.function=path/to/file.py:fn (fn(prompt, "
+            "response, info) -> float; built-ins in rlhf.rewards.verifiers, e.g. "
+            "rlhf.rewards.verifiers:math_verify_reward), or reward.functions=[...] with reward.weights=[...], "
+            "or reward.type=model reward.model_path=DIR, or env.name=module:Class for an environment that "
+            "returns the reward",
         )
 
     def __post_init__(self) -> None:

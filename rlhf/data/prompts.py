@@ -4,6 +4,7 @@ reward and the environment as ``Prompt.info`` (e.g. ``info["answer"]``), plus ``
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -25,24 +26,30 @@ def toy_count_messages(n: int, seed: int) -> list[list[dict]]:
     return [[{"role": "user", "content": count_prompt(rng)[0]}] for _ in range(n)]
 
 
-def read_prompt_rows(source: str, key: str, label_key: str = "") -> list[tuple[list[dict], dict]]:
+def read_prompt_rows(
+    source: str, key: str, label_key: str = "", section: str = "data"
+) -> list[tuple[list[dict], dict]]:
     """``(messages, other columns)`` per row of a JSONL/Parquet file or ``hf:NAME[:SPLIT]``: the
     prompt column holds ``"text"`` or ``[{"role": ..., "content": ...}, ...]``. Errors name the
-    file:line (or row) and the column; ``label_key`` names a column every row must have."""
+    file:line (or row), the column and the ``<section>.*`` keys to set (``data`` or ``eval``);
+    ``label_key`` names a column every row must have."""
     from rlhf.data.chat import DataRowError, iter_file_rows, messages_field
 
     try:
         rows_iter = iter_file_rows(source)
     except DataRowError as e:
-        raise DataRowError(f"data.prompts={e}") from e
+        raise DataRowError(f"{section}.prompts={e}") from e
     rows = []
     for lineno, row in rows_iter:
         where = f"{source}:{lineno}"
         if key not in row:
-            raise DataRowError(f"{where}: missing column {key!r} (set data.prompt_key to the prompt column)")
+            raise DataRowError(
+                f"{where}: missing column {key!r} (set {section}.prompt_key to the prompt column; "
+                f"this row has {sorted(row)})"
+            )
         if label_key and row.get(label_key) is None:
             raise DataRowError(
-                f"{where}: missing column {label_key!r} (data.label_key); every prompt needs its label"
+                f"{where}: missing column {label_key!r} ({section}.label_key); every prompt needs its label"
             )
         rows.append((messages_field(row[key], where, key), {k: v for k, v in row.items() if k != key}))
     if not rows:
@@ -59,18 +66,21 @@ def load_prompts(
     max_len: int | None = None,
     overlong: str = "error",
     label_key: str = "",
+    section: str = "data",
 ) -> tuple[list[Prompt], int]:
     """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``.
 
     ``overlong="error"`` raises on a prompt over ``max_len`` tokens naming
-    ``data.max_prompt_len``; ``"skip"`` drops it and counts it.
+    ``data.max_prompt_len``; ``"skip"`` drops it and counts it. ``section`` (``data`` or
+    ``eval``) is the config section errors name. Warns once when the tokenizer maps more than
+    ``UNKNOWN_TOKEN_WARN`` of the prompt tokens to its unknown token (a model that cannot read the data).
     """
     if source == "toy:count":
         rows = [(m, {}) for m in toy_count_messages(num_toy, seed)]
     elif source.startswith("toy:"):
-        raise ValueError(f"data.prompts={source!r}: unknown toy task (available: toy:count)")
+        raise ValueError(f"{section}.prompts={source!r}: unknown toy task (available: toy:count)")
     else:
-        rows = read_prompt_rows(source, key, label_key)
+        rows = read_prompt_rows(source, key, label_key, section)
     prompts, skipped = [], 0
     for i, (msgs, columns) in enumerate(rows):
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -86,9 +96,38 @@ def load_prompts(
         prompts.append(Prompt(text=text, token_ids=ids, info={**columns, "index": columns.get("index", i)}))
     if not prompts:
         raise ValueError(
-            f"data.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}"
+            f"{section}.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}"
         )
+    warn_unknown_tokens(prompts, tokenizer, f"{section}.prompts={source}")
     return prompts, skipped
+
+
+UNKNOWN_TOKEN_WARN = 0.05
+_warned_unknown: set[str] = set()
+
+
+def unknown_token_fraction(prompts: list[Prompt], unk_id: int | None) -> float:
+    """Share of all prompt tokens that are ``unk_id`` (0 for a tokenizer without one, e.g. byte-level BPE)."""
+    total = sum(len(p.token_ids) for p in prompts)
+    if unk_id is None or total == 0:
+        return 0.0
+    return sum(p.token_ids.count(unk_id) for p in prompts) / total
+
+
+def warn_unknown_tokens(prompts: list[Prompt], tokenizer, what: str) -> float:
+    """Log one warning per source when more than ``UNKNOWN_TOKEN_WARN`` of its tokens are unknown."""
+    frac = unknown_token_fraction(prompts, getattr(tokenizer, "unk_token_id", None))
+    if frac > UNKNOWN_TOKEN_WARN and what not in _warned_unknown:
+        _warned_unknown.add(what)
+        logging.getLogger("rlhf").warning(
+            "%.0f%% of the prompt tokens of %s are the tokenizer's unknown token %r: the model cannot read "
+            "this data. Use a model whose tokenizer covers it (model=hf model.path=DIR, README 'Bring your "
+            "model'); the tiny model's word-level tokenizer knows only the toy tasks' words",
+            100 * frac,
+            what,
+            tokenizer.unk_token,
+        )
+    return frac
 
 
 class PromptLoader:

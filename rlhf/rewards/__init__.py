@@ -148,7 +148,7 @@ class Reward:
     @classmethod
     def from_config(cls, reward_cfg) -> Reward:
         """``reward.functions`` with ``reward.weights`` (default 1 each), else ``reward.function``."""
-        specs = list(reward_cfg.functions) or [reward_cfg.function]
+        specs = reward_cfg.specs
         weights = list(reward_cfg.weights) or [1.0] * len(specs)
         comps = [
             RewardComponent(_short_name(s), load_reward_fn(s), float(w))

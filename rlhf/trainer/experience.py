@@ -145,7 +145,7 @@ class ExperienceMaker:
             reward_fn
             if reward_fn is None or isinstance(reward_fn, Reward)
             else Reward(
-                [RewardComponent(cfg.reward.function.rpartition(":")[2], reward_fn)], cfg.reward.timeout_s
+                [RewardComponent(getattr(reward_fn, "__name__", "reward"), reward_fn)], cfg.reward.timeout_s
             )
         )
         self.budget = cfg.train.max_tokens_per_microbatch
@@ -293,13 +293,19 @@ class ExperienceMaker:
         todo = [samples[i] for i in rest]
         if self.reward_model is not None:
             model_scores = [float(o.reshape(-1)[0]) for o in self.reward_model.forward(todo, self.budget)]
+        elif self.reward is None:
+            raise RewardFunctionError(
+                f"env.name={self.cfg.env.name!r} ended {len(todo)} trajectories without a reward "
+                "(StepResult.reward=None) and no reward.function or reward model is set to score them: "
+                "return a reward from the environment's last step, or set reward.function"
+            )
         else:
             model_scores, parts = self.reward(
                 [s.prompt or "" for s in todo],
                 [self.tok.decode(s.input_ids[s.prompt_len or 0 :].tolist()) for s in todo],
                 [s.info for s in todo],
             )
-            if len(parts) > 1:
+            if parts:  # one function too: reward/<fn> names what scored the run
                 stats.reward_components = {k: math.fsum(v) / len(v) for k, v in parts.items()}
         for i, r in zip(rest, model_scores, strict=True):
             scores[i] = r

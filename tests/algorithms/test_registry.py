@@ -24,7 +24,7 @@ def test_config_allows_exactly_the_registered_names():
 def test_critic_and_group_rules_come_from_the_table(name):
     est = ESTIMATORS[name]
     assert AlgorithmConfig(advantage=name).uses_critic is est.uses_critic
-    overrides = [f"algorithm.advantage={name}", "rollout.n_samples_per_prompt=1"]
+    overrides = ["experiment=toy_count", f"algorithm.advantage={name}", "rollout.n_samples_per_prompt=1"]
     if est.compares_group:
         with pytest.raises(ConfigError, match="n_samples_per_prompt >= 2"):
             compose("ppo", overrides)

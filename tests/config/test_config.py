@@ -6,7 +6,7 @@ from rlhf.config.schema import PPOConfig
 
 
 def test_default_ppo_config_composes_typed():
-    cfg = compose("ppo")
+    cfg = compose("ppo", ["experiment=toy_count"])
     assert isinstance(cfg, PPOConfig)
     assert cfg.algorithm.advantage == "gae"
     assert cfg.reward.function == "rlhf.rewards.toy:count_reward"
@@ -14,7 +14,9 @@ def test_default_ppo_config_composes_typed():
 
 
 def test_cli_overrides_switch_groups_and_values():
-    cfg = compose("ppo", ["algorithm=grpo", "rollout.num_engines=2", "train.num_steps=3"])
+    cfg = compose(
+        "ppo", ["experiment=toy_count", "algorithm=grpo", "rollout.num_engines=2", "train.num_steps=3"]
+    )
     assert cfg.algorithm.advantage == "grpo"
     assert cfg.algorithm.kl_in_reward is False
     assert cfg.rollout.num_engines == 2
@@ -23,11 +25,11 @@ def test_cli_overrides_switch_groups_and_values():
 
 @pytest.mark.parametrize("algo", ["gae", "grpo", "reinforce_pp", "rloo"])
 def test_every_algorithm_group_composes(algo):
-    assert compose("ppo", [f"algorithm={algo}"]).algorithm.advantage == algo
+    assert compose("ppo", ["experiment=toy_count", f"algorithm={algo}"]).algorithm.advantage == algo
 
 
 def test_dapo_and_gspo_presets_carry_the_papers_defaults():
-    dapo = compose("ppo", ["algorithm=dapo"]).algorithm
+    dapo = compose("ppo", ["experiment=toy_count", "algorithm=dapo"]).algorithm
     assert (dapo.advantage, dapo.policy_loss, dapo.clip_eps_low, dapo.clip_eps_high) == (
         "grpo",
         "ppo",
@@ -36,19 +38,19 @@ def test_dapo_and_gspo_presets_carry_the_papers_defaults():
     )
     assert dapo.dynamic_sampling and dapo.loss_aggregation == "token_mean" and dapo.kl_coef == 0
     assert dapo.overlong_buffer_len(20480) == 4096
-    gspo = compose("ppo", ["algorithm=gspo"]).algorithm
+    gspo = compose("ppo", ["experiment=toy_count", "algorithm=gspo"]).algorithm
     assert (gspo.policy_loss, gspo.clip_eps_low, gspo.clip_eps_high) == ("gspo", 3e-4, 4e-4)
     assert gspo.loss_aggregation == "seq_mean_token_mean"
 
 
 def test_unknown_key_fails_at_compose():
     with pytest.raises(ConfigCompositionException, match="algorithm.no_such_key"):
-        compose("ppo", ["algorithm.no_such_key=1"])
+        compose("ppo", ["experiment=toy_count", "algorithm.no_such_key=1"])
 
 
 def test_ill_typed_value_fails_at_compose():
     with pytest.raises(ConfigCompositionException, match="rollout.num_engines"):
-        compose("ppo", ["rollout.num_engines=many"])
+        compose("ppo", ["experiment=toy_count", "rollout.num_engines=many"])
 
 
 @pytest.mark.parametrize(
@@ -81,7 +83,7 @@ def test_semantic_errors_name_the_field(overrides, field):
 
 
 def test_old_logprobs_are_current_only_for_one_step_on_fresh_samples():
-    assert compose("ppo", ["algorithm=grpo"]).old_logprobs_are_current
+    assert compose("ppo", ["experiment=toy_count", "algorithm=grpo"]).old_logprobs_are_current
     for extra in (
         [],  # gae: the KL goes into the reward, computed before the update from the old logprobs
         ["algorithm=grpo", "train.ppo_epochs=2"],
@@ -89,4 +91,27 @@ def test_old_logprobs_are_current_only_for_one_step_on_fresh_samples():
         ["algorithm=grpo", "train.max_staleness=1"],
         ["algorithm=grpo", "algorithm.rollout_correction=tis"],
     ):
-        assert not compose("ppo", extra).old_logprobs_are_current, extra
+        assert not compose("ppo", ["experiment=toy_count", *extra]).old_logprobs_are_current, extra
+
+
+def test_base_config_and_schema_agree_on_every_default():
+    """conf/ppo.yaml with its default groups is the schema's defaults: nothing (a toy task, a
+    toy reward, another prompt length) is applied without an experiment= that names it."""
+    from rlhf.config.schema import DataConfig, PPOConfig, RewardConfig
+
+    composed = compose("ppo", ["data.prompts=my.parquet", "reward.function=my_reward:score"])
+    assert composed == PPOConfig(
+        data=DataConfig(prompts="my.parquet"), reward=RewardConfig(function="my_reward:score")
+    )
+    toy = compose("ppo", ["experiment=toy_count"])
+    assert (toy.data.prompts, toy.reward.function) == ("toy:count", "rlhf.rewards.toy:count_reward")
+
+
+def test_eval_columns_default_to_the_datas():
+    cfg = compose("ppo", ["experiment=rlvr_math", "eval.prompt_key=problem", "eval.label_key=solution"])
+    assert (cfg.eval.prompt_key, cfg.eval.label_key, cfg.data.prompt_key) == (
+        "problem",
+        "solution",
+        "question",
+    )
+    assert compose("ppo", ["experiment=rlvr_math"]).eval.prompt_key == ""  # "" = data.prompt_key

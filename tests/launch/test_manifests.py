@@ -534,7 +534,7 @@ def test_preemption_gives_the_driver_time_to_checkpoint(
 ) -> None:
     from rlhf.config import compose
 
-    grace = compose("ppo", []).train.stop_grace_s
+    grace = compose("ppo", ["experiment=toy_count"]).train.stop_grace_s
     head = raycluster["spec"]["headGroupSpec"]["template"]["spec"]
     # Kubernetes' SIGKILL and `ray job stop`'s must both come after the driver's own deadline.
     assert head["terminationGracePeriodSeconds"] > grace

@@ -115,6 +115,7 @@ def test_reward_from_config(tmp_path):
     cfg = compose(
         "ppo",
         [
+            "data.prompts=prompts.jsonl",
             "reward.functions=[rlhf.rewards.verifiers:exact_match_reward,rlhf.rewards.verifiers:format_reward]",
             "reward.weights=[1.0,0.5]",
         ],
@@ -123,7 +124,7 @@ def test_reward_from_config(tmp_path):
     totals, parts = reward(["q"], ["#### 7"], [{"answer": "7"}])
     assert totals == [1.5] and set(parts) == {"exact_match_reward", "format_reward"}
     with pytest.raises(ConfigError, match="reward.weights has 1 entries for 2"):
-        compose("ppo", ["reward.functions=[a:b,c:d]", "reward.weights=[1.0]"])
+        compose("ppo", ["data.prompts=prompts.jsonl", "reward.functions=[a:b,c:d]", "reward.weights=[1.0]"])
 
 
 def test_per_sample_calls_share_one_thread_and_each_has_its_own_timeout():

@@ -22,6 +22,7 @@ def _cfg(tmp_path, model_dir, *overrides):
     return compose(
         "ppo",
         [
+            "experiment=toy_count",
             f"model.path={model_dir}",
             "train.num_steps=2",
             "train.rollout_batch_size=4",

@@ -23,6 +23,7 @@ def _cfg(tmp_path, *overrides):
     return compose(
         "ppo",
         [
+            "experiment=toy_count",
             "train.num_steps=2",
             "train.rollout_batch_size=4",
             "rollout.n_samples_per_prompt=2",

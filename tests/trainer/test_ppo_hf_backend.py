@@ -27,6 +27,7 @@ def test_grpo_with_hf_engines_trains_syncs_and_agrees_with_the_trainer(tmp_path,
     cfg = compose(
         "ppo",
         [
+            "experiment=toy_count",
             "algorithm=grpo",
             "algorithm.kl_coef=0.01",
             "rollout.backend=hf",

@@ -115,4 +115,6 @@ def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp
     finally:
         reward.shutdown()
     torch.testing.assert_close(scores, _hf_scores(model, samples), rtol=1e-4, atol=1e-4)
-    assert compose("ppo", ["reward.type=model", f"reward.model_path={final}"]).reward.model_path == str(final)
+    assert compose(
+        "ppo", ["experiment=toy_count", "reward.type=model", f"reward.model_path={final}"]
+    ).reward.model_path == str(final)

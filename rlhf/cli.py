@@ -1,0 +1,171 @@
+"""What the entry points (``rlhf.ppo``, ``sft``, ``dpo``, ``rm``) share around their ``run``.
+
+- The config is composed and validated before Hydra starts the job, so a mistake costs no
+  start-up and reads as one line: an unknown key names the closest schema field ("did you
+  mean train.num_steps?") instead of Hydra's "+key" advice.
+- Mistakes a user made (config, data, reward: ``USER_ERRORS``) print one message (what,
+  where, the fix) without a Python traceback and exit with code 2; the traceback goes to a
+  log file the message names. Anything else is a bug or a failure and keeps its traceback.
+- A finished run ends with a short summary (steps, wall time, first -> last reward or loss,
+  eval before -> after, where the model, checkpoints, metrics and logs are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhf.config import CONF_DIR, SCHEMAS, ConfigError, compose, to_object
+from rlhf.data.chat import DataRowError
+from rlhf.rewards import RewardFunctionError
+
+log = logging.getLogger("rlhf")
+
+# A malformed config, data file or reward function: FileNotFoundError covers a missing data
+# file or checkpoint, ValueError every check that names a field (ConfigError, DataRowError).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    DataRowError,
+    RewardFunctionError,
+    FileNotFoundError,
+    ValueError,
+)
+USER_ERROR_EXIT = 2
+# Config groups selected by name (model=hf), besides the schema's own fields.
+GROUPS = ("model", "rollout", "algorithm", "cluster", "experiment")
+
+
+def schema_keys(schema: type) -> list[str]:
+    """Every dotted field path of a dataclass schema (``train.num_steps``, ``model.tiny.arch``, ...)."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            keys += [f"{f.name}.{k}" for k in schema_keys(type(sub))]
+        else:
+            keys.append(f.name)
+    return keys
+
+
+def unknown_key_message(config_name: str, overrides: Sequence[str]) -> str | None:
+    """A one-line message for the first override whose key the schema does not have, with the
+    closest field; None when every key exists (the error was something else)."""
+    known = set(schema_keys(SCHEMAS[f"{config_name}_schema"])) | set(GROUPS)
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key in known or key.startswith("hydra."):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        same_leaf = [k for k in sorted(known) if k.rpartition(".")[2] == key.rpartition(".")[2]]
+        hint = close or same_leaf[:1]
+        suggestion = f" (did you mean {hint[0]}?)" if hint else ""
+        return (
+            f"unknown config key {key!r} in {arg!r}{suggestion}; the fields are listed in "
+            f"rlhf/config/schema.py and `python -m rlhf.{config_name} --cfg job` prints them all"
+        )
+    return None
+
+
+def _hydra_errors() -> tuple[type[BaseException], ...]:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return (HydraException, OmegaConfBaseException)
+
+
+def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
+    """Compose and validate like the job will; raise ``ConfigError`` with one clear message."""
+    own = [a for a in overrides if not a.startswith("hydra.")]
+    try:
+        compose(config_name, own)
+    except _hydra_errors() as e:
+        msg = unknown_key_message(config_name, own)
+        raise ConfigError(msg or f"invalid config: {e}") from e
+
+
+def report_user_error(e: BaseException, log_dir: Path | None) -> int:
+    """Print ``e`` as one message and write its traceback to a file; returns the exit code."""
+    log_dir = log_dir or Path(tempfile.gettempdir())
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / "error.log"
+        path.write_text("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        where = f" (traceback: {path})"
+    except OSError:
+        where = ""
+    msg = str(e).strip() or type(e).__name__
+    print(f"error: {msg}{where}", file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT
+
+
+def _first_last(history: list[dict], key: str) -> str | None:
+    vals = [h[key] for h in history if key in h]
+    return f"{vals[0]:.4g} -> {vals[-1]:.4g}" if vals else None
+
+
+def run_summary(history: list[dict], output_dir: str | Path, wall_s: float) -> str:
+    """The lines a finished run prints: what it did and where its results are."""
+    out = Path(output_dir)
+    steps = max((int(h["step"]) for h in history if "step" in h), default=len(history))
+    lines = [f"done: {steps} steps in {wall_s:.0f} s"]
+    for label, keys in (
+        ("reward (mean)", ("reward/mean",)),
+        ("train loss", ("train/loss", "policy/loss")),
+        ("eval accuracy", ("eval/accuracy", "eval/rewards/accuracy", "eval/scores/accuracy")),
+        ("eval loss", ("eval/loss",)),
+    ):
+        found = next((v for k in keys if (v := _first_last(history, k))), None)
+        if found:
+            lines.append(f"{label}: {found}")
+    for label, path in (
+        ("model", out / "final"),
+        ("checkpoints", out / "checkpoints"),
+        ("metrics", out / "metrics.jsonl"),
+        ("logs", out / "logs"),
+    ):
+        if path.exists():
+            lines.append(f"{label}: {path}")
+    return "\n".join(lines)
+
+
+def run_job(run: Callable[[Any], list[dict]], cfg: Any) -> None:
+    """``run(cfg)`` with preemption handling; a user error exits 2, success prints the summary."""
+    from rlhf.trainer.run_control import exit_on_preemption
+
+    out = Path(cfg.train.output_dir)
+    t0 = time.perf_counter()
+    try:
+        history = exit_on_preemption(run, cfg)
+    except USER_ERRORS as e:
+        raise SystemExit(report_user_error(e, out / "logs")) from None
+    print("\n" + run_summary(history or [], out, time.perf_counter() - t0), flush=True)
+
+
+def main(config_name: str, run: Callable[[Any], list[dict]]) -> None:
+    """The ``__main__`` of an entry point: check the command line, then run the Hydra job."""
+    import hydra
+
+    argv = sys.argv[1:]
+    if not any(a.startswith("-") for a in argv):  # --help, --cfg, -m: Hydra's own modes
+        try:
+            check_overrides(config_name, argv)
+        except ConfigError as e:
+            raise SystemExit(report_user_error(e, None)) from None
+
+    @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)
+    def job(dict_cfg: Any) -> None:
+        try:
+            cfg = to_object(dict_cfg)
+        except ConfigError as e:
+            raise SystemExit(report_user_error(e, None)) from None
+        run_job(run, cfg)
+
+    job()
