@@ -62,6 +62,7 @@ class Evaluator:
             "eval/accuracy": sum(s[0] >= ok for s in greedy) / len(greedy),
             "eval/reward_mean": math.fsum(s[0] for s in greedy) / len(greedy),
             "eval/response_length": sum(lengths) / len(lengths),
+            "eval/num_prompts": float(len(self.prompts)),
         }
         n = self.cfg.n_samples
         if n > 1:

@@ -327,6 +327,7 @@ class PPOTrainer:
         m = {
             "reward/mean": float(scores.mean()),
             "reward/std": float(scores.std()) if len(samples) > 1 else 0.0,
+            "rollout/num_samples": float(len(samples)),
             "response/length_mean": float(
                 torch.tensor([s.num_actions for s in samples], dtype=torch.float32).mean()
             ),
