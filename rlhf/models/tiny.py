@@ -66,27 +66,60 @@ def default_corpus() -> list[str]:
     return [" ".join(words)]
 
 
-def build_tokenizer(out_dir: str | os.PathLike, corpus: list[str] | None = None):
-    """Train a word-level tokenizer on ``corpus`` and save it as a HF fast tokenizer.
+# Qwen2's pre-tokenizer split (letters with one leading non-letter, single digits, ...): what
+# transformers' Qwen2Tokenizer applies to any qwen2 model directory, whatever tokenizer it holds.
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
-    Returns the loaded ``PreTrainedTokenizerFast`` (pad/bos/eos set, chat template set).
+
+def build_tokenizer(
+    out_dir: str | os.PathLike, corpus: list[str] | None = None, style: Literal["word", "qwen2"] = "word"
+):
+    """Train a tokenizer on ``corpus`` and save it as a HF fast tokenizer.
+
+    ``word``: one token per whitespace-separated word (Llama-style tiny models load it as it is).
+    ``qwen2``: byte-level BPE over Qwen2's pre-tokenizer split. transformers (5.x) loads every
+    ``qwen2`` model directory with ``Qwen2Tokenizer``, which rebuilds a byte-level BPE from the
+    saved vocabulary and merges: a word-level vocabulary without merges came out as single
+    characters ("count" -> c o u n t). With real merges, each corpus word is one token (with or
+    without its leading space) and numbers are single digits, as in Qwen's own tokenizer.
+
+    Returns the tokenizer as ``AutoTokenizer`` loads it (pad/bos/eos set, chat template set).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1)
-    tok.train_from_iterator(corpus or default_corpus(), trainer=trainer)
+    corpus = corpus or default_corpus()
+    if style == "word":
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+        trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1)
+        tok.train_from_iterator(corpus, trainer=trainer)
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=2000,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            min_frequency=1,
+        )
+        # each word alone too, so that a word opening a text is one token as well
+        tok.train_from_iterator([*corpus, *(w for text in corpus for w in text.split())], trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
-    return PreTrainedTokenizerFast.from_pretrained(str(out))
+    return AutoTokenizer.from_pretrained(str(out))
 
 
 def build_tiny_model(
@@ -113,7 +146,9 @@ def build_tiny_model(
 
     out = Path(out_dir)
     if tokenizer_dir is None:
-        tok = build_tokenizer(out)
+        # the model's config.json first: AutoTokenizer picks the tokenizer class by model type
+        (LlamaConfig if arch == "llama" else Qwen2Config)().save_pretrained(str(out))
+        tok = build_tokenizer(out, style="word" if arch == "llama" else "qwen2")
     else:
         tok = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
         tok.save_pretrained(str(out))
