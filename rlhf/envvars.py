@@ -33,6 +33,8 @@ CLUSTER_ENV = {
     # The engine lives inside a Ray actor: vLLM's extra engine-core process would escape Ray's
     # resource accounting (and, on GPU, need a second CUDA context).
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # transformers' "Loading weights" / "Writing model shards" bars, once per worker and checkpoint
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 
 CPU_ENV = {
@@ -71,6 +73,9 @@ def engine_env(num_gpus: float) -> dict[str, str]:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": CLUSTER_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"]}
     else:
         env = {k: cpu_env()[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        # vLLM's CPU worker binds memory to its NUMA node and torch's C++ side warns about it on
+        # every engine start; C++ errors still print.
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     env.update({k: os.environ[k] for k in PASSTHROUGH if k in os.environ})
     return env
 

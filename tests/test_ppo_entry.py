@@ -188,5 +188,13 @@ def test_readme_rlvr_recipe_at_realistic_batch_sizes(tmp_path):
     final = [r for r in rows if "eval/pass@4" in r]
     assert len(final) == 2  # before the first step and after the last
     assert rows[-1]["eval/num_prompts"] == 200
+    # the engines' start-up noise went to their log file, not to the console
+    from rlhf.workers.logs import ENGINE_NOISE
+
+    console = proc.stdout + proc.stderr
+    assert [n for n in ENGINE_NOISE if n in console] == []
+    assert "FutureWarning" not in console and "LOAD REPORT" not in console
+    engine_logs = "".join(p.read_text() for p in (out / "logs").glob("engine-*.log"))
+    assert "Enforce eager set" in engine_logs and "Triton is installed" in engine_logs
     # the end-of-run summary names the results
     assert "done: 1 steps" in proc.stdout and f"model: {Path('runs/rlvr_math/final')}" in proc.stdout

@@ -448,12 +448,16 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0
     # Longest wait for the cluster to grant the run's CPUs/GPUs and for engines and ranks to start.
     startup_timeout_s: float = 300.0
+    # A local Ray (address ""): start attempts go on this long (at least one retry), since Ray
+    # gives its own processes a fixed 30 s to come up and a loaded machine can miss that.
+    ray_start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _one_of("cluster.device", self.device, ("cpu", "cuda"))
         for name in ("actor_ranks", "critic_ranks", "ref_ranks", "reward_ranks"):
             _check(getattr(self, name) >= 1, f"cluster.{name} must be >= 1")
         _check(self.startup_timeout_s > 0, "cluster.startup_timeout_s must be > 0")
+        _check(self.ray_start_timeout_s > 0, "cluster.ray_start_timeout_s must be > 0")
 
 
 @dataclass

@@ -179,12 +179,24 @@ def build_value_model(
     ``attn_impl`` (optional) is applied with ``prepare_model_for_packing``.
     """
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        str(path_or_model_dir), num_labels=1, dtype=dtype, output_loading_info=True
-    )
+    # From a causal LM the report "lm_head UNEXPECTED, score MISSING" is the expected outcome,
+    # printed on every start; the keys are checked here instead, and anything else is an error.
+    verbosity = hf_logging.get_verbosity()
+    if init_from_causal_lm:
+        hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(path_or_model_dir), num_labels=1, dtype=dtype, output_loading_info=True
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = [k for k in info.get("missing_keys", []) if k.startswith("score.")]
     if init_from_causal_lm:
+        other = [k for k in info.get("missing_keys", []) if not k.startswith("score.")]
+        if other:
+            raise ValueError(f"{path_or_model_dir} lacks weights of the model body: {sorted(other)[:8]}")
         _init_value_head(model.score.weight, std=1.0 / (model.config.hidden_size + 1))
     elif missing:
         warnings.warn(

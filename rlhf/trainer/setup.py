@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,7 +48,50 @@ def init_ray(cluster: ClusterConfig) -> None:
     if cluster.address:
         ray.init(address=cluster.address, runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env)
+        start_local_ray(
+            lambda: ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env),
+            ray.shutdown,
+            cluster.ray_start_timeout_s,
+        )
+
+
+# What ray.init raises when the processes it started did not come up in time: Ray waits a fixed
+# 30 s for its raylet to register (ray/_private/node.py), which a loaded machine can miss.
+_RAY_START_FAILURES = ("timed out during startup", "failed to start", "Failed to connect to GCS")
+
+
+def start_local_ray(
+    start: Callable[[], object],
+    stop: Callable[[], object],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """``start()`` (a local ``ray.init``), tried again after ``stop()`` while it fails with a
+    start-up timeout and ``timeout_s`` (``cluster.ray_start_timeout_s``) has not passed; at least
+    one retry. Returns the number of attempts. Other errors are raised at once."""
+    t0, attempt = clock(), 0
+    while True:
+        attempt += 1
+        try:
+            start()
+            return attempt
+        except Exception as e:
+            if not any(s in str(e) for s in _RAY_START_FAILURES):
+                raise
+            stop()  # the processes this attempt started
+            waited = clock() - t0
+            if attempt >= 2 and waited >= timeout_s:
+                raise RuntimeError(
+                    f"the local Ray did not start in {attempt} attempts over {waited:.0f} s ({e}). The machine "
+                    "is probably overloaded or short of memory: stop other jobs (or stale Ray processes, "
+                    "`ray stop`), or raise cluster.ray_start_timeout_s"
+                ) from e
+            log.warning(
+                "the local Ray did not start (%s); trying again (attempt %d, cluster.ray_start_timeout_s=%.0f)",
+                e,
+                attempt + 1,
+                timeout_s,
+            )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

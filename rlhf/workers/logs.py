@@ -38,16 +38,35 @@ def route_worker_logs(log_file: str | Path | None) -> None:
         root.addHandler(console)
 
 
-# vLLM 0.32's layerwise reload warns at every weight sync that the rotary embedding has no
-# weights to load (it has none: its cos/sin cache is derived). Greedy output after a sync
-# equals HF generate on the same weights (tests/workers/test_rollout.py), so the warning goes
-# to the log file only, not once per sync to the console.
-_HARMLESS = ("RotaryEmbedding: Failed to load weights",)
+# Engine warnings with nothing for the user to do: they go to the engine's log file only.
+# Real warnings (and everything else) still reach the console.
+ENGINE_NOISE = (
+    # vLLM 0.32's layerwise reload warns at every weight sync that the rotary embedding (and, for
+    # Gemma2, the model wrapper) has no weights to load: they have none (the cos/sin cache is
+    # derived, the wrapper's weights belong to its layers). Greedy output after a sync equals HF
+    # generate on the same weights (tests/workers/test_rollout.py), and every step's
+    # rollout/logprob_gap metric (engine vs trainer logprobs, ~1e-7 when the sync is right)
+    # checks it on the run's own samples.
+    "RotaryEmbedding: Failed to load weights",
+    "Gemma2Model: Failed to load weights",
+    # CPU engine start-up: settings we chose (eager mode, no chunked prefill, an engine seed,
+    # in-process engine core), optional libraries of vLLM's CPU wheel (Triton CPU, tcmalloc,
+    # iomp), and the worker refusing set_num_threads after its own thread binding.
+    "The global random seed is set to",
+    "does not officially support disabling chunked prefill",
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "Triton is not installed",
+    "Triton is installed, but doesn't include CPU backend",
+    "Model Runner V2 requires Triton",
+    "is not found in LD_PRELOAD",
+    "doesn't allow to use `torch.set_num_threads`",
+)
 
 
 class DropHarmless(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(s in record.getMessage() for s in _HARMLESS)
+        return not any(s in record.getMessage() for s in ENGINE_NOISE)
 
 
 def vllm_logging_config(log_file: str | Path) -> dict:

@@ -199,6 +199,8 @@ def llm_kwargs(
         worker_extension_cls="rlhf.workers.vllm_ext.WeightSyncExtension",
         # the logprobs the sampler drew from (after temperature/top-p/...), what PPO's ratio needs
         logprobs_mode="processed_logprobs",
+        # a progress bar per engine start and restart, for a file that loads in milliseconds
+        use_tqdm_on_load=False,
     )
     if weight_transfer is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer}
@@ -265,6 +267,28 @@ def _request_amx_permission() -> None:
     if init_amx is not None:
         with contextlib.suppress(Exception):
             init_amx()
+
+
+def _route_engine_logs(log_dir: Path) -> None:
+    """vLLM's INFO lines and its start-up noise to ``engine-<pid>.log``, real warnings to the console.
+
+    vLLM's documented hook (``VLLM_LOGGING_CONFIG_PATH``) configures its loggers when
+    ``vllm.logger`` is imported, but some modules warn while vLLM is still being imported,
+    before that: the same config is applied here first. Python ``FutureWarning``s raised
+    inside vLLM's own code are about vLLM's use of torch, not the user's.
+    """
+    import logging.config
+    import warnings
+
+    from rlhf.workers.logs import vllm_logging_config
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = vllm_logging_config(log_dir / f"engine-{os.getpid()}.log")
+    conf = log_dir / f"vllm-logging-{os.getpid()}.json"
+    conf.write_text(json.dumps(config))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf)
+    logging.config.dictConfig(config)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
 class EngineCounters:
@@ -350,13 +374,7 @@ class RolloutEngine(EngineCounters):
                 os.environ.setdefault(key, value)
             _request_amx_permission()
         if log_dir:
-            # vLLM's documented hook; it (re)configures its loggers when the engine starts.
-            from rlhf.workers.logs import vllm_logging_config
-
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            conf = Path(log_dir) / f"vllm-logging-{os.getpid()}.json"
-            conf.write_text(json.dumps(vllm_logging_config(Path(log_dir) / f"engine-{os.getpid()}.log")))
-            os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf)
+            _route_engine_logs(Path(log_dir))
         from vllm import LLM
 
         self.llm = LLM(

@@ -21,12 +21,18 @@ def test_vllm_logging_config_sends_info_to_the_file_only(tmp_path, monkeypatch):
         lg.info("engine ready")
         lg.warning("slow step")
         lg.warning("RotaryEmbedding: Failed to load weights")
+        lg.warning("Gemma2Model: Failed to load weights")
+        logging.getLogger("vllm.v1.worker.cpu_worker").warning(
+            "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."
+        )
         for h in logging.getLogger("vllm").handlers:
             h.flush()
         text = log_file.read_text()
         assert "engine ready" in text and "slow step" in text
         assert "slow step" in console.getvalue() and "engine ready" not in console.getvalue()
         assert "RotaryEmbedding" in text and "RotaryEmbedding" not in console.getvalue()
+        for noise in ("Gemma2Model", "set_num_threads"):  # in the file, not on the console
+            assert noise in text and noise not in console.getvalue()
     finally:
         for h in list(logging.getLogger("vllm").handlers):
             logging.getLogger("vllm").removeHandler(h)
