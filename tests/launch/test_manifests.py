@@ -559,6 +559,7 @@ def test_runtime_env_loads(runtime_env: dict[str, Any]) -> None:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
     # CPU-only settings belong to the CPU entry point; on a GPU cluster they would break vLLM/DeepSpeed.
     assert not {"VLLM_CPU_KVCACHE_SPACE", "DS_ACCELERATOR"} & env.keys()
