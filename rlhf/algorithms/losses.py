@@ -38,6 +38,12 @@ __all__ = [
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
+# Log-ratios are bounded to [-20, 20] before exp, in the PPO loss and in the approx_kl / ratio_mean
+# statistics: exp(>88) is inf in fp32, and one such token made the logged statistics inf while the
+# loss stayed finite. e^20 ~ 5e8 is far outside any clip range, so nothing real is cut.
+STAT_LOG_RATIO_BOUND = 20.0
+
+
 def _select(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -130,7 +136,8 @@ def ppo_policy_loss(
     log_ratio = _select(logprobs - old_logprobs, mask)
     adv = _select(advantages, mask)
     # exp(>88) overflows fp32 and a zero advantage times inf is NaN; such tokens are clipped anyway.
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    bounded = log_ratio.clamp(-STAT_LOG_RATIO_BOUND, STAT_LOG_RATIO_BOUND)
+    ratio = torch.exp(bounded)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -147,7 +154,7 @@ def ppo_policy_loss(
     with torch.no_grad():
         stats["clip_fraction"] = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
         # Samples come from the old policy, so k3 with r = new/old estimates KL(old || new).
-        stats["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+        stats["approx_kl"] = masked_mean(torch.expm1(bounded) - bounded, mask)
         stats["ratio_mean"] = masked_mean(ratio, mask)
     return loss, stats
 
@@ -218,10 +225,13 @@ def gspo_policy_loss(
     loss = aggregate_loss(per_token, mask, cu_seqlens, aggregation)
     with torch.no_grad():
         has_actions = counts > 0
+        bounded = log_ratio.clamp(-STAT_LOG_RATIO_BOUND, STAT_LOG_RATIO_BOUND)
         stats = {
             "clip_fraction": masked_mean((clipped > unclipped).to(s.dtype), mask),
-            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
-            "ratio_mean": masked_mean(torch.exp(seq_log_ratio), has_actions),
+            "approx_kl": masked_mean(torch.expm1(bounded) - bounded, mask),
+            "ratio_mean": masked_mean(
+                torch.exp(seq_log_ratio.clamp(-STAT_LOG_RATIO_BOUND, STAT_LOG_RATIO_BOUND)), has_actions
+            ),
         }
     return loss, stats
 

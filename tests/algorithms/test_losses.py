@@ -338,3 +338,22 @@ def test_gspo_refuses_dual_clip():
     lp, old, adv = ppo_inputs(batch)
     with pytest.raises(ValueError, match="dual_clip"):
         gspo_policy_loss(lp, old, adv, batch.action_mask, batch.cu_seqlens, dual_clip=3.0)
+
+
+@pytest.mark.parametrize("loss_fn", [ppo_policy_loss, gspo_policy_loss])
+def test_statistics_stay_finite_at_huge_log_ratios(loss_fn):
+    """A token whose log-ratio is 100 (exp overflows fp32 above ~88): the loss was finite but
+    approx_kl and ratio_mean were inf. Both are computed at the bound of 20, by hand here."""
+    logprobs = torch.tensor([0.0, -1.0, 99.0, -2.0])
+    old = torch.tensor([0.0, -1.0, -1.0, -2.0])  # log-ratios 0, 0, 100, 0
+    mask = torch.tensor([False, True, True, True])
+    cu = torch.tensor([0, 4])
+    loss, stats = loss_fn(logprobs, old, torch.ones(4), mask, cu)
+    assert torch.isfinite(loss)
+    bound = 20.0
+    k3 = [0.0, math.expm1(bound) - bound, 0.0]  # the masked-in tokens, by hand
+    assert stats["approx_kl"].item() == pytest.approx(sum(k3) / 3, rel=1e-5)
+    # PPO: per token; GSPO: one sequence, exp(mean log-ratio) = exp(100 / 3), bounded at e^20
+    per_token = loss_fn is ppo_policy_loss
+    expected_ratio = (1.0 + math.exp(bound) + 1.0) / 3 if per_token else math.exp(bound)
+    assert stats["ratio_mean"].item() == pytest.approx(expected_ratio, rel=1e-5)
