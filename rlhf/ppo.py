@@ -1,7 +1,8 @@
 """PPO / GRPO / REINFORCE++ / RLOO entry point.
 
-python -m rlhf.ppo                                   # tiny run on the local CPU
-python -m rlhf.ppo algorithm=grpo rollout.num_engines=2
+python -m rlhf.ppo experiment=toy_count                  # tiny run on the local CPU
+python -m rlhf.ppo experiment=toy_count algorithm=grpo rollout.num_engines=2
+python -m rlhf.ppo data.prompts=train.parquet reward.function=reward.py:score   # yours
 """
 
 from __future__ import annotations

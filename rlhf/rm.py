@@ -1,7 +1,7 @@
 """Reward-model entry point: pairwise (Bradley-Terry) training on (chosen, rejected) pairs.
 
     python -m rlhf.rm                                    # tiny run on the local CPU (toy:count pairs)
-    python -m rlhf.ppo reward.type=model reward.model_path=runs/rm_toy_count/final   # use it in PPO
+    python -m rlhf.ppo experiment=toy_count reward.type=model reward.model_path=runs/rm_toy_count/final   # use it in PPO
 
 The result, ``<train.output_dir>/final``, is an ``AutoModelForSequenceClassification``
 (``num_labels=1``) directory with the tokenizer.

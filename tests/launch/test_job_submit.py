@@ -197,7 +197,7 @@ def test_submit_tiny_ppo_job(ray_head: RayHead, tmp_path: Path) -> None:
     """The real entry point as a Ray Job: init_ray must join the job's cluster and runtime_env."""
     result = subprocess.run(
         [str(SUBMIT), "--address", ray_head.dashboard_url, "--entry", "rlhf.ppo", "--",
-         "algorithm=grpo", "train.num_steps=1", "train.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+         "experiment=toy_count", "algorithm=grpo", "train.num_steps=1", "train.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
          "train.tensorboard=false", f"train.output_dir={tmp_path}", "cluster.cpus_per_worker=0.5",
          "cluster.cpus_per_engine=0.5"],
         cwd=tempfile.gettempdir(), env=ray_head.env, capture_output=True, text=True, timeout=240,
