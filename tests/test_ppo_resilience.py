@@ -7,6 +7,7 @@ Real Ray, vLLM and DeepSpeed; faults come from tests/faults.py.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -43,9 +44,18 @@ def _overrides(out: Path, model_dir: Path, *extra: str) -> list[str]:
 
 
 def _numbers(rows: list[dict]) -> list[dict]:
-    # Timings differ from run to run; so do the counters of what went wrong.
+    # Timings differ from run to run; so do the counters of what went wrong. A fault-injecting
+    # reward (tests/faults.py, count_reward_then_*) scores as count_reward does, and its
+    # reward/<fn> metric carries its own name: compared under count_reward's.
     skip = ("time/", "perf/", "run/recoveries", "rollout/engine_restarts")
-    return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
+    return [
+        {
+            re.sub(r"^reward/count_reward_then_\w+$", "reward/count_reward", k): v
+            for k, v in r.items()
+            if not k.startswith(skip)
+        }
+        for r in rows
+    ]
 
 
 def _rows(out: Path) -> list[dict]:

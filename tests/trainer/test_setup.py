@@ -74,18 +74,3 @@ def test_local_ray_start_is_retried_with_a_clear_message(caplog):
 
     with pytest.raises(ValueError, match="num_cpus"):
         start_local_ray(bad, always.stop, 120.0)
-
-
-def test_local_ray_starts_for_real(tmp_path):
-    """The real ray.init through the retry wrapper: one attempt on an idle machine."""
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("a Ray is already running in this process (the session's)")
-    from rlhf.trainer.setup import start_local_ray
-
-    try:
-        assert start_local_ray(lambda: ray.init(num_cpus=1, include_dashboard=False), ray.shutdown, 60) == 1
-        assert ray.is_initialized()
-    finally:
-        ray.shutdown()
