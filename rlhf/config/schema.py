@@ -53,11 +53,32 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT) on every trained model; ``rank`` 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)  # [] = the architecture's projections
+    modules_to_save: list[str] = field(default_factory=list)  # also trained in full (e.g. lm_head)
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {self.rank}")
+        _check(self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
+        _check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class ModelConfig:
     path: str = ""  # HF model dir (actor/reference init); "" = build model.tiny at run time
     critic_path: str = ""  # "" = critic from model.path with a fresh value head
     attn_impl: str = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _one_of("model.attn_impl", self.attn_impl, ATTN_IMPLS)
@@ -101,6 +122,9 @@ class RolloutConfig:
     weight_sync: str = "auto"
     sync_bucket_mb: int = 256  # gathered (ZeRO-3) and sent per bucket, never one call per tensor
     sleep_level: int = 1  # colocated engines: 1 = weights to CPU + drop KV, 2 = drop both
+    # model.lora: adapter = engines serve the frozen base + the synced adapter (vLLM LoRA);
+    # merged = the adapter folded into full weights, synced like full fine-tuning
+    lora_sync: str = "adapter"
 
     def __post_init__(self) -> None:
         _check(self.num_engines >= 1, "rollout.num_engines must be >= 1")
@@ -113,6 +137,7 @@ class RolloutConfig:
         )
         _check(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
         _one_of("rollout.backend", self.backend, ROLLOUT_BACKENDS)
+        _one_of("rollout.lora_sync", self.lora_sync, ("adapter", "merged"))
         _one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         _check(self.sync_bucket_mb > 0, f"rollout.sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
         _check(
@@ -385,6 +410,7 @@ class RunConfig(DeepSpeedConfig):
     stop_grace_s: float = 25.0
     tensorboard: bool = True
     wandb_project: str = ""  # "" = wandb off
+    save_merged: bool = False  # model.lora: also write <output_dir>/final_merged (adapter folded in)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -532,6 +558,19 @@ class PPOConfig:
                 self.train.max_staleness == 0,
                 "cluster.colocate_engines=true: engines sleep while the trainer uses their GPUs, so they cannot "
                 "generate ahead; set train.max_staleness=0 (or cluster.colocate_engines=false)",
+            )
+        if self.model.lora.enabled and r.lora_sync == "adapter":
+            _check(
+                r.backend == "vllm"
+                and resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines) == "object_store",
+                f"rollout.lora_sync=adapter ships adapters to vLLM engines through the object store, but "
+                f"rollout.backend={r.backend} rollout.weight_sync={r.weight_sync}: set rollout.lora_sync=merged "
+                "(full weights through the chosen transport), or rollout.backend=vllm rollout.weight_sync=object_store",
+            )
+            _check(
+                not self.model.lora.modules_to_save,
+                "model.lora.modules_to_save trains whole modules that vLLM's LoRA cannot serve: "
+                "set rollout.lora_sync=merged",
             )
         a = self.algorithm
         if a.estimator.compares_group:

@@ -35,16 +35,11 @@ import torch
 from rlhf.config.schema import DeepSpeedConfig
 from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
+from rlhf.models.lora import LoraSettings
 from rlhf.models.objective import TrainObjective
 from rlhf.workers.placement import use_cpu_share
-from rlhf.workers.weight_sync import (
-    EnginePoolClient,
-    engine_param_name,
-    full_shape,
-    gathered_weights,
-    open_trainer_transfer,
-    vllm_weight_source,
-)
+from rlhf.workers.weight_sync import full_shape
+from rlhf.workers.worker_weights import WorkerWeights
 
 __all__ = ["ROLES", "DeepSpeedSettings", "ModelWorker", "build_ds_config"]
 
@@ -53,8 +48,6 @@ logger = logging.getLogger(__name__)
 ROLES = ("actor", "critic", "reference", "reward")
 # Always trainable; "reward" is trainable only with lr > 0 (reward-model training, see ModelWorker).
 TRAINABLE_ROLES = ("actor", "critic")
-# Bytes gathered at once under ZeRO-3 by get_weights when no bucket size is given.
-DEFAULT_SYNC_BUCKET_BYTES = 256 << 20
 
 
 @dataclass
@@ -139,7 +132,7 @@ def _holds_causal_lm(model_dir: str) -> bool:
     return bool(archs) and all(a.endswith("ForCausalLM") for a in archs)
 
 
-class ModelWorker:
+class ModelWorker(WorkerWeights):
     """One rank of a model group. All ranks of a group must receive the same calls in the same order.
 
     Roles and what trains: ``actor`` and ``critic`` always have an optimizer; ``reference`` is
@@ -177,6 +170,8 @@ class ModelWorker:
         attn_impl: str = "auto",
         seed: int = 0,
         log_dir: str | None = None,
+        lora: LoraSettings | None = None,
+        lora_sync: str = "adapter",
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -196,6 +191,8 @@ class ModelWorker:
         self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
         self.settings = settings or DeepSpeedSettings()
         self.trainable = role in TRAINABLE_ROLES or (role == "reward" and self.settings.lr > 0)
+        # LoRA on trained models only; get_weights then yields the adapter (or the merged weights)
+        self.lora, self.lora_sync = (lora if self.trainable else None), lora_sync
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -249,6 +246,12 @@ class ModelWorker:
         if not hasattr(next(model.parameters()), "ds_id"):
             # On its device first, so that attn_impl="auto" can pick flash-attn on a GPU.
             model.to(self.device)
+        if self.lora is not None:
+            from rlhf.models.lora import apply_lora
+
+            n = apply_lora(model, self.lora, extra_trainable=() if self.role == "actor" else ("score",))
+            if self.rank == 0:
+                logger.info("%s: LoRA rank %d, %d trainable parameters", self.role, self.lora.rank, n)
         prepare_model_for_packing(model, attn_impl=attn_impl)
         if self.trainable and self.settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -339,24 +342,32 @@ class ModelWorker:
 
     @torch.no_grad()
     def forward(
-        self, micro_batches: list[FlatBatch | None], temperature: float = 1.0, cpu_share: float = 1.0
+        self,
+        micro_batches: list[FlatBatch | None],
+        temperature: float = 1.0,
+        cpu_share: float = 1.0,
+        adapters: bool = True,
     ) -> list[torch.Tensor | None]:
         """Per-token logprobs (actor/reference), values (critic) or per-sample scores (reward).
 
         ``None`` slots return None; under ZeRO-3 they still run a dummy forward because the
-        parameter all-gathers are collective.
+        parameter all-gathers are collective. ``adapters=False`` runs a LoRA model's frozen
+        base alone: the reference policy of a LoRA run, without a reference model.
         """
+        from rlhf.models.lora import adapters_disabled
+
         self._use_cores(cpu_share)
         self._set_train(False)
         fn = self._forward_fn(temperature)
         out: list[torch.Tensor | None] = []
-        for mb in micro_batches:
-            if mb is None:
-                if self.zero3:
-                    self._run(fn, dummy_flat_batch(device=self.device))
-                out.append(None)
-                continue
-            out.append(self._run(fn, mb.to(self.device)).detach().float().cpu())
+        with adapters_disabled(self.hf_model, disabled=self.lora is not None and not adapters):
+            for mb in micro_batches:
+                if mb is None:
+                    if self.zero3:
+                        self._run(fn, dummy_flat_batch(device=self.device))
+                    out.append(None)
+                    continue
+                out.append(self._run(fn, mb.to(self.device)).detach().float().cpu())
         return out
 
     def train_step(
@@ -435,122 +446,24 @@ class ModelWorker:
             return None
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
-    # ---------------------------------------------------------------- weights
-    def get_weights(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> dict[str, torch.Tensor] | None:
-        """Full weights in HF naming on rank 0 (None elsewhere). Collective under ZeRO-3.
-
-        The parameters (tied ones once) come from ``weight_sync.gathered_weights``, one bucket
-        of at most ``bucket_bytes`` gathered at a time; persistent buffers are added as they are.
-        ``last_gather()`` then reports the buckets and the largest gathered size seen.
-        """
-        model = self.hf_model
-        self._gather_stats = {"buckets": 0, "peak_gathered_bytes": 0}
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in gathered_weights(
-            model, bucket_bytes, zero3=self.zero3, on_bucket=self._on_bucket
-        ):
-            if self.rank == 0:
-                out[name] = tensor.detach().cpu().clone()
-        if self.rank != 0:
-            return None
-        for name, value in model.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch.nn.Parameter):  # a persistent buffer
-                out[engine_param_name(name)] = value.detach().cpu().clone()
-        return out
-
-    def _on_bucket(self) -> None:
-        """Inside each bucket's gather: count it and measure what is gathered right now."""
-        stats = self._gather_stats
-        stats["buckets"] += 1
-        if self.zero3:
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-            now = sum(
-                p.ds_numel * p.element_size()
-                for p in self.hf_model.parameters()
-                # Persistent parameters (below stage3_param_persistence_threshold) are never
-                # partitioned: always whole, not part of any gather.
-                if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
-                and not getattr(p, "ds_persist", False)
-            )
-            stats["peak_gathered_bytes"] = max(stats["peak_gathered_bytes"], now)
-
-    def last_gather(self) -> dict[str, int]:
-        """Buckets of the last ``get_weights`` and the most bytes ZeRO-3 held gathered at once."""
-        return dict(getattr(self, "_gather_stats", {}))
-
-    def get_weights_ref(self, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> list | None:
-        """``get_weights`` put in the object store by this rank: ``[ObjectRef]`` on rank 0.
-
-        The ref is wrapped in a list so Ray hands it to the driver unresolved: the weights go
-        from this worker to the rollout engines without a copy through the driver.
-        """
-        import ray
-
-        weights = self.get_weights(bucket_bytes)
-        return None if weights is None else [ray.put(list(weights.items()))]
-
-    def open_weight_transfer(
-        self, mode: str, engines: list, engine_workers: int, bucket_bytes: int, timeout_s: float
-    ) -> None:
-        """Join vLLM's trainer-side transfer (nccl | ipc) to ``engines``; every rank calls it. GPU only.
-
-        Rank 0 is the sender and opens the NCCL rendezvous on its own node and a free port.
-        """
-        address, port = "", 0
-        if self.rank == 0 and mode == "nccl":
-            import ray
-
-            from rlhf.workers.placement import free_port
-
-            address, port = ray.util.get_node_ip_address(), free_port()
-        self._transfer = open_trainer_transfer(
-            mode,
-            client=EnginePoolClient(
-                engines, timeout_s, workers_per_engine=engine_workers // max(len(engines), 1)
-            ),
-            source=vllm_weight_source(self.hf_model, bucket_bytes, zero3=self.zero3),
-            rank=self.rank,
-            bucket_bytes=bucket_bytes,
-            master_address=address,
-            master_port=port,
-            engine_workers=engine_workers,
-        )
-
-    def send_weights(self) -> None:
-        """One full weight transfer through ``open_weight_transfer``'s engine (collective)."""
-        transfer = getattr(self, "_transfer", None)
-        if transfer is None:
-            raise RuntimeError("send_weights before open_weight_transfer")
-        transfer.send_weights()
-
-    def save_hf(self, path: str) -> None:
-        """Rank 0 writes an HF model dir (+ the tokenizer of ``model_dir``). Collective under ZeRO-3."""
-        import torch.distributed as dist
-
-        sd = self.get_weights()
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            self.hf_model.save_pretrained(path, state_dict=sd, safe_serialization=True)
-            try:
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(path)
-            except (OSError, ValueError) as e:  # a model dir without tokenizer files
-                logger.warning("save_hf: no tokenizer copied from %s (%s)", self.model_dir, e)
-        dist.barrier()
-
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, tag: str | None = None) -> None:
-        """Model + optimizer + LR scheduler (the run state lives in ``trainer_state.json``). Collective."""
+        """Model + optimizer + LR scheduler (the run state lives in ``trainer_state.json``). Collective.
+
+        With LoRA only the trainable tensors (adapter, modules_to_save) and their optimizer state:
+        the frozen base is reloaded from ``model_dir``."""
         self._require_engine_with_optimizer("save_checkpoint")
-        self.engine.save_checkpoint(path, tag=tag)
+        self.engine.save_checkpoint(path, tag=tag, exclude_frozen_parameters=self.lora is not None)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> None:
         """Restore what ``save_checkpoint`` wrote (``tag`` None = the latest)."""
         self._require_engine_with_optimizer("load_checkpoint")
         load_path, _ = self.engine.load_checkpoint(
-            path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            path,
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=self.lora is None,
         )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r} (tag {tag!r})")

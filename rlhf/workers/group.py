@@ -29,9 +29,10 @@ from rlhf.data.packing import balance_bins, pack, shard_bounds, unpack
 from rlhf.data.types import FlatBatch, Sample
 from rlhf.envvars import model_worker_env
 from rlhf.models.objective import TrainObjective
-from rlhf.workers.deepspeed_worker import DEFAULT_SYNC_BUCKET_BYTES, ROLES, DeepSpeedSettings, ModelWorker
+from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
 from rlhf.workers.errors import WorkerDied, is_process_death
 from rlhf.workers.placement import Placement, describe_resources, free_port
+from rlhf.workers.worker_weights import DEFAULT_SYNC_BUCKET_BYTES
 
 __all__ = ["ModelGroup"]
 
