@@ -99,3 +99,14 @@ def load_latest(
     }
     log.info("resumed from %s at step %d", path, state["step"])
     return RunCheckpoint(path, state, found)
+
+
+def save_final(group: Any, out: Path, lora: bool, save_merged: bool) -> Path:
+    """The trained model under ``<out>/final``: an HF model dir, or with LoRA a PEFT adapter dir
+    (``PeftModel.from_pretrained(base, dir)``), plus ``<out>/final_merged`` (the adapter folded
+    into the base) when ``train.save_merged``. Returns the ``final`` path."""
+    final = Path(out) / "final"
+    group.save_hf(str(final))
+    if lora and save_merged:
+        group.save_hf(str(Path(out) / "final_merged"), merged=True)
+    return final

@@ -18,7 +18,7 @@ from rlhf.data.prompts import Prompt, PromptLoader
 from rlhf.data.types import Sample
 from rlhf.rewards import Reward
 from rlhf.trainer.advantage_step import advantage_step
-from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint
+from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint, save_final
 from rlhf.trainer.dynamic_sampling import collect_informative_groups
 from rlhf.trainer.engine_sync import EngineSync
 from rlhf.trainer.evaluation import Evaluator
@@ -145,7 +145,7 @@ class PPOTrainer:
                     if stop.requested is not None and self.step < t.num_steps:
                         stop.finished()
                         raise Preempted(stop.requested, self.step, latest_checkpoint(self.out))
-                self.w.actor.save_hf(str(self.out / "final"))  # the trained policy as a HF model dir
+                save_final(self.w.actor, self.out, self.cfg.model.lora.enabled, t.save_merged)
         finally:
             self.pipeline.close()
             tracker.close()

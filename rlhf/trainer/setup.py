@@ -22,6 +22,7 @@ from rlhf.envvars import cpu_env
 if TYPE_CHECKING:
     from rlhf.config.schema import ClusterConfig, ModelConfig, PPOConfig
     from rlhf.config.trainers import DPOConfig, RMConfig, SFTConfig
+    from rlhf.models.lora import LoraSettings
     from rlhf.workers.deepspeed_worker import DeepSpeedSettings
     from rlhf.workers.group import ModelGroup
     from rlhf.workers.rollout_pool import RolloutPool
@@ -149,6 +150,16 @@ def deepspeed_settings(train: DeepSpeedConfig, lr: float, total_steps: int = 0) 
     return DeepSpeedSettings(**shared, lr=lr, **extra)
 
 
+def lora_settings(model_cfg: ModelConfig) -> LoraSettings | None:
+    """``model.lora`` as the workers take it; None = full fine-tuning."""
+    from rlhf.models.lora import LoraSettings
+
+    lo = model_cfg.lora
+    if not lo.enabled:
+        return None
+    return LoraSettings(lo.rank, lo.alpha, lo.dropout, list(lo.target_modules), list(lo.modules_to_save))
+
+
 @contextmanager
 def model_group(
     cfg: SFTConfig | DPOConfig | RMConfig,
@@ -178,6 +189,7 @@ def model_group(
             num_ranks,
             settings,
             placement,
+            lora=lora_settings(cfg.model) if lr > 0 else None,
             attn_impl=cfg.model.attn_impl,
             seed=t.seed,
             startup_timeout_s=c.startup_timeout_s,
@@ -248,6 +260,19 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
             enforce_eager=r.enforce_eager,
             log_dir=_log_dir(cfg.train.output_dir),
         )
+        lora = lora_settings(cfg.model)
+        if lora is not None and r.lora_sync == "adapter":
+            from transformers import AutoConfig
+
+            from rlhf.models.lora import adapter_config
+            from rlhf.workers.lora_rollout import LoraRolloutEngine as engine_cls
+
+            model_type = AutoConfig.from_pretrained(model_dir).model_type
+            kwargs.update(
+                lora_rank=lora.rank,
+                adapter_config=adapter_config(lora, model_type, model_dir),
+                keep_versions=cfg.train.max_staleness + 1,
+            )
     return RolloutPool(
         r.num_engines,
         kwargs,
@@ -275,7 +300,7 @@ def _roles(cfg: PPOConfig, model_dir: str) -> list[tuple[str, int, str, float]]:
     """``(role, ranks, model dir, lr)`` of every DeepSpeed group the run needs."""
     c, a, t = cfg.cluster, cfg.algorithm, cfg.train
     roles = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
-    if a.kl_coef > 0:
+    if a.kl_coef > 0 and not cfg.model.lora.enabled:  # LoRA: the actor without its adapters
         roles.append(("reference", c.ref_ranks, model_dir, 0.0))
     if a.uses_critic:
         roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
@@ -362,6 +387,8 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
                 seed=t.seed,
                 log_dir=_log_dir(t.output_dir),
                 wait=False,
+                lora=lora_settings(cfg.model) if lr > 0 else None,
+                lora_sync=cfg.rollout.lora_sync,
             )
         pool = _rollout_pool(cfg, model_dir, pgs["all" if c.colocate_engines else "engines"])
         # Engines and ranks load at the same time; wait for all of them.
@@ -375,10 +402,14 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
         Workers(rollout=pool, actor=None, placement_groups=list(pgs.values())).shutdown()
         raise
     log.info("workers started in %.1f s: %s", time.perf_counter() - t0, ", ".join(groups) + ", engines")
+    reference = groups.get("reference")
+    if cfg.model.lora.enabled and cfg.algorithm.kl_coef > 0:
+        reference = groups["actor"].without_adapters()
+        log.info("reference log-probs: the actor with its LoRA adapters disabled (no reference model built)")
     return Workers(
         rollout=pool,
         actor=groups["actor"],
-        reference=groups.get("reference"),
+        reference=reference,
         critic=groups.get("critic"),
         reward_model=groups.get("reward"),
         placement_groups=list(pgs.values()),

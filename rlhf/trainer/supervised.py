@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.data.types import Sample
-from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint
+from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint, save_final
 from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
 from rlhf.trainer.tracking import Tracker
 
@@ -141,8 +141,7 @@ class SupervisedTrainer:
                     if stop.requested is not None and self.step < total:
                         stop.finished()
                         raise Preempted(stop.requested, self.step, latest_checkpoint(self.out))
-                final = self.out / "final"
-                self.group.save_hf(str(final))
+                final = save_final(self.group, self.out, self.cfg.model.lora.enabled, t.save_merged)
                 log.info("saved the trained model to %s", final)
         finally:
             tracker.close()

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlhf.data.packing import balance_bins, pack, shard_bounds, unpack
 from rlhf.data.types import FlatBatch, Sample
 from rlhf.envvars import model_worker_env
+from rlhf.models.lora import LoraSettings
 from rlhf.models.objective import TrainObjective
 from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
 from rlhf.workers.errors import WorkerDied, is_process_death
@@ -124,6 +125,8 @@ class ModelGroup:
         log_dir: str | None = None,
         wait: bool = True,
         startup_timeout_s: float = 300.0,
+        lora: LoraSettings | None = None,
+        lora_sync: str = "adapter",
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -156,6 +159,8 @@ class ModelGroup:
                     attn_impl,
                     seed,
                     log_dir,
+                    lora,
+                    lora_sync,
                 )
             )
         self._start_refs = self._submit("info")
@@ -280,6 +285,7 @@ class ModelGroup:
         max_tokens_per_microbatch: int,
         temperature: float = 1.0,
         cpu_share: float | None = None,
+        adapters: bool = True,
     ) -> Callable[[], list[torch.Tensor]]:
         """Start ``forward`` on every rank and return a function that waits for its result.
 
@@ -291,7 +297,7 @@ class ModelGroup:
         if not samples:
             return list
         per_rank = self._deal(pack(samples, max_tokens_per_microbatch))
-        refs = self._submit("forward", temperature, self._share(cpu_share), per_rank=per_rank)
+        refs = self._submit("forward", temperature, self._share(cpu_share), adapters, per_rank=per_rank)
 
         def collect() -> list[torch.Tensor]:
             results: list[torch.Tensor | None] = [None] * len(samples)
@@ -305,6 +311,10 @@ class ModelGroup:
             return results  # type: ignore[return-value]
 
         return collect
+
+    def without_adapters(self) -> BaseModelView:
+        """This LoRA group's frozen base, scored like a reference group (no second model)."""
+        return BaseModelView(self)
 
     def train(
         self,
@@ -397,8 +407,9 @@ class ModelGroup:
         """One bucketed transfer to the engines opened by ``open_weight_transfer`` (all ranks)."""
         self._on_all("send_weights")
 
-    def save_hf(self, path: str) -> None:
-        self._on_all("save_hf", str(path))
+    def save_hf(self, path: str, merged: bool = False) -> None:
+        """An HF model dir at ``path`` (LoRA: a PEFT adapter dir, or with ``merged`` the merged model)."""
+        self._on_all("save_hf", str(path), merged)
 
     def save_checkpoint(self, path: str, tag: str | None = None) -> None:
         """DeepSpeed checkpoint (model, optimizer, scheduler) under ``path``: a shared dir."""
@@ -418,3 +429,38 @@ class ModelGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+class BaseModelView:
+    """The reference policy of a LoRA run: the actor's ranks with their adapters switched off.
+
+    Scores like a ``reference`` ``ModelGroup`` (``forward``/``forward_async``, ``num_ranks``)
+    and owns nothing: shutting it down leaves the actor running."""
+
+    role = "reference"
+
+    def __init__(self, group: ModelGroup) -> None:
+        self.group = group
+
+    @property
+    def num_ranks(self) -> int:
+        return self.group.num_ranks
+
+    def forward_async(
+        self,
+        samples: Sequence[Sample],
+        max_tokens_per_microbatch: int,
+        temperature: float = 1.0,
+        cpu_share: float | None = None,
+    ) -> Callable[[], list[torch.Tensor]]:
+        return self.group.forward_async(
+            samples, max_tokens_per_microbatch, temperature, cpu_share, adapters=False
+        )
+
+    def forward(
+        self, samples: Sequence[Sample], max_tokens_per_microbatch: int, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        return self.forward_async(samples, max_tokens_per_microbatch, temperature)()
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the actor group is shut down on its own."""

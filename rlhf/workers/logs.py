@@ -61,6 +61,8 @@ ENGINE_NOISE = (
     "Model Runner V2 requires Triton",
     "is not found in LD_PRELOAD",
     "doesn't allow to use `torch.set_num_threads`",
+    # our adapter directories carry no tokenizer: the base model's is the one in use
+    "different tokenizers for different LoRAs",
 )
 
 

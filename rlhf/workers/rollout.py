@@ -414,7 +414,7 @@ class RolloutEngine(EngineCounters):
             for p, seed in zip(prompt_token_ids, seeds, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         results: list[list[dict]] = []
         for out in outputs:
             comps = []
@@ -430,6 +430,10 @@ class RolloutEngine(EngineCounters):
             results.append(comps)
         self._count_generate(results, t0)
         return results
+
+    def _lora_request(self) -> Any:
+        """The adapter generation runs with (``LoraRolloutEngine``); None = the model's own weights."""
+        return None
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
