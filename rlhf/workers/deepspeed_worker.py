@@ -315,6 +315,9 @@ class ModelWorker(WorkerWeights):
             "rank": self.rank,
             "device": str(self.device),
             "num_params": n,
+            "trainable_params": sum(
+                math.prod(full_shape(p)) for p in self.hf_model.parameters() if p.requires_grad
+            ),
             "global_steps": steps,
             "attn_impl": attn,
         }
