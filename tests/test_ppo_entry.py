@@ -198,3 +198,37 @@ def test_readme_rlvr_recipe_at_realistic_batch_sizes(tmp_path):
     assert "Enforce eager set" in engine_logs and "Triton is installed" in engine_logs
     # the end-of-run summary names the results
     assert "done: 1 steps" in proc.stdout and f"model: {Path('runs/rlvr_math/final')}" in proc.stdout
+
+
+def test_lora_ppo_with_critic_reference_for_free_and_adapter_sync(tmp_path, tiny_llama_dir):
+    """model.lora on GAE PPO: actor and critic train adapters (+ the value head), the KL's
+    reference is the actor with adapters off (no reference group is built), engines serve the
+    synced adapter (engine vs trainer logprob gap stays at float noise), final is a PEFT dir."""
+    from rlhf.ppo import run
+
+    out = tmp_path / "run"
+    cfg = compose(
+        "ppo",
+        [
+            "experiment=toy_count",
+            f"model.path={tiny_llama_dir}",
+            "model.lora.rank=8",
+            "train.num_steps=3",
+            "train.rollout_batch_size=4",
+            "rollout.n_samples_per_prompt=2",
+            "algorithm.kl_coef=0.1",
+            f"train.output_dir={out}",
+            "train.tensorboard=false",
+        ],
+    )
+    history = run(cfg)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert abs(history[0]["kl"]) < 1e-6  # LoRA B starts at 0: policy == reference
+    assert abs(history[-1]["kl"]) > 1e-6  # then the adapter moves the policy away from it
+    assert all(h["rollout/logprob_gap"] < 1e-4 for h in history)  # engines serve the trained adapter
+    logs = {p.name for p in (out / "logs").iterdir()}
+    assert "actor-0.log" in logs and "critic-0.log" in logs and "reference-0.log" not in logs
+    assert sorted(p.name for p in (out / "final").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]

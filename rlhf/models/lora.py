@@ -37,6 +37,7 @@ __all__ = [
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _ADAPTER = "default"
+_SAVED = f".modules_to_save.{_ADAPTER}."
 _PEFT_PREFIX = "base_model.model."
 # The attention and MLP projections of Llama-style decoders (Llama, Qwen2/3, Mistral, Gemma,
 # Phi3 after its fused names, OLMo2, Granite): what PEFT's own default table and verl/OpenRLHF's
@@ -82,29 +83,30 @@ def _peft_config(settings: LoraSettings, model_type: str, base_path: str = "") -
     )
 
 
-def apply_lora(model: torch.nn.Module, settings: LoraSettings, extra_trainable: Iterable[str] = ()) -> int:
+def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> int:
     """Inject LoRA into ``model`` in place and freeze everything else; returns the trainable count.
 
-    ``extra_trainable``: module names kept fully trainable besides ``modules_to_save`` (a
-    value model's fresh ``score`` head). LoRA B starts at zero, so the model is unchanged.
+    ``modules_to_save`` (e.g. a value model's fresh ``score`` head) are trained in full, as
+    PEFT does: a trainable copy beside the frozen original. LoRA B starts at zero, so the
+    model is unchanged.
     """
     from peft import inject_adapter_in_model
 
     cfg = _peft_config(settings, model.config.model_type)
-    missing = [
-        t for t in cfg.target_modules if not any(n.rpartition(".")[2] == t for n, _ in model.named_modules())
-    ]
+    names = {n.rpartition(".")[2] for n, _ in model.named_modules()}
+    missing = [t for t in [*cfg.target_modules, *(cfg.modules_to_save or [])] if t not in names]
     if missing:
+        linear = sorted(
+            {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
         raise ValueError(
-            f"model.lora.target_modules: {model.config.model_type} has no module named {missing}; "
-            f"its linear layers: {sorted({n.rpartition('.')[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})}"
+            f"model.lora.target_modules/modules_to_save: {model.config.model_type} has no module named "
+            f"{missing}; its linear layers: {linear}"
         )
     inject_adapter_in_model(cfg, model, adapter_name=_ADAPTER)
-    keep = tuple(settings.modules_to_save) + tuple(extra_trainable)
     trainable = 0
     for name, p in model.named_parameters():
-        parts = name.split(".")
-        p.requires_grad_(".lora_" in name or any(m in parts for m in keep))
+        p.requires_grad_(is_adapter_param(name) or _SAVED in name)
         trainable += p.numel() if p.requires_grad else 0
     return trainable
 
@@ -113,22 +115,25 @@ def is_adapter_param(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def _plain_name(name: str) -> str:
+    """A ``modules_to_save`` copy under its module's own name (``score.modules_to_save.default.weight``
+    -> ``score.weight``), as PEFT saves it and as the merged model holds it."""
+    return name.replace(_SAVED, ".")
+
+
 def _peft_name(name: str) -> str:
     """``model.layers.0.q_proj.lora_A.default.weight`` -> PEFT's saved name."""
-    return _PEFT_PREFIX + name.replace(f".{_ADAPTER}.", ".")
+    return _PEFT_PREFIX + _plain_name(name).replace(f".{_ADAPTER}.", ".")
 
 
-def adapter_tensors(
-    named: Iterable[tuple[str, torch.Tensor]], modules_to_save: Iterable[str] = ()
-) -> dict[str, torch.Tensor]:
+def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The adapter (and ``modules_to_save``) tensors of a stream of the trainer's parameters,
     copied to CPU, in PEFT's saved naming. Everything else in the stream is skipped."""
-    keep = tuple(modules_to_save)
-    out = {}
-    for name, tensor in named:
-        if is_adapter_param(name) or any(m in name.split(".") for m in keep):
-            out[_peft_name(name)] = tensor.detach().to("cpu", copy=True).contiguous()
-    return out
+    return {
+        _peft_name(name): tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in named
+        if is_adapter_param(name) or _SAVED in name
+    }
 
 
 def merged_tensors(
@@ -159,7 +164,9 @@ def merged_tensors(
                 yield f"{module}.weight", merged.to(w.dtype)
                 del held[module]
             continue
-        yield name, tensor.detach().to("cpu", copy=True)
+        if ".original_module." in name:  # the frozen twin of a modules_to_save copy
+            continue
+        yield _plain_name(name), tensor.detach().to("cpu", copy=True)
     if held:
         raise RuntimeError(f"merging LoRA: modules without both factors in the stream: {sorted(held)[:4]}")
 

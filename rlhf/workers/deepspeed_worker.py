@@ -21,6 +21,7 @@ values).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -191,7 +192,10 @@ class ModelWorker(WorkerWeights):
         self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
         self.settings = settings or DeepSpeedSettings()
         self.trainable = role in TRAINABLE_ROLES or (role == "reward" and self.settings.lr > 0)
-        # LoRA on trained models only; get_weights then yields the adapter (or the merged weights)
+        # LoRA on trained models only; get_weights then yields the adapter (or the merged weights).
+        # A value model's fresh score head trains in full and is saved with the adapter.
+        if lora is not None and self.trainable and role != "actor":
+            lora = dataclasses.replace(lora, modules_to_save=[*lora.modules_to_save, "score"])
         self.lora, self.lora_sync = (lora if self.trainable else None), lora_sync
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
@@ -249,7 +253,7 @@ class ModelWorker(WorkerWeights):
         if self.lora is not None:
             from rlhf.models.lora import apply_lora
 
-            n = apply_lora(model, self.lora, extra_trainable=() if self.role == "actor" else ("score",))
+            n = apply_lora(model, self.lora)
             if self.rank == 0:
                 logger.info("%s: LoRA rank %d, %d trainable parameters", self.role, self.lora.rank, n)
         prepare_model_for_packing(model, attn_impl=attn_impl)

@@ -67,7 +67,7 @@ class WorkerWeights:
                 pass
             return None
         if not merged:
-            return adapter_tensors(stream, self.lora.modules_to_save)
+            return adapter_tensors(stream)
         out = dict(merged_tensors(stream, self.lora.scaling))
         for name, value in self.hf_model.state_dict(keep_vars=True).items():
             if not isinstance(value, torch.nn.Parameter):

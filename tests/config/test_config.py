@@ -115,3 +115,24 @@ def test_eval_columns_default_to_the_datas():
         "question",
     )
     assert compose("ppo", ["experiment=rlvr_math"]).eval.prompt_key == ""  # "" = data.prompt_key
+
+
+def test_lora_config_and_what_it_cannot_be_combined_with():
+    cfg = compose(
+        "ppo", ["experiment=toy_count", "model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]"]
+    )
+    assert cfg.model.lora.enabled and cfg.rollout.lora_sync == "adapter"
+    assert not compose("ppo", ["experiment=toy_count"]).model.lora.enabled  # full fine-tuning by default
+    for overrides, field in (
+        (["rollout.backend=hf"], "rollout.lora_sync=merged"),
+        (["model.lora.modules_to_save=[lm_head]"], "model.lora.modules_to_save"),
+        (["rollout.lora_sync=both"], "rollout.lora_sync"),
+    ):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            compose("ppo", ["experiment=toy_count", "model.lora.rank=8", *overrides])
+    merged = compose(
+        "ppo", ["experiment=toy_count", "model.lora.rank=8", "rollout.backend=hf", "rollout.lora_sync=merged"]
+    )
+    assert merged.rollout.lora_sync == "merged"
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank must be >= 0"):
+        compose("ppo", ["experiment=toy_count", "model.lora.rank=-1"])

@@ -86,5 +86,7 @@ def test_unknown_target_module_names_the_model_layers(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"model.lora.target_modules: llama has no module named \['qkv'\]"):
+    with pytest.raises(
+        ValueError, match=r"model.lora.target_modules/modules_to_save: llama has no module named \[.qkv.\]"
+    ):
         apply_lora(model, LoraSettings(rank=4, target_modules=["qkv"]))
