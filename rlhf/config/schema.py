@@ -13,75 +13,12 @@ from dataclasses import dataclass, field
 from rlhf.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
 from rlhf.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 
+# The model section lives in rlhf/config/model.py; re-exported here with the other sections.
+from rlhf.config.model import ATTN_IMPLS, LoraConfig, ModelConfig, TinyModelConfig, _check, _one_of  # noqa: F401
+
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 ROLLOUT_BACKENDS = ("vllm", "hf")
-ATTN_IMPLS = (
-    "auto",
-    "packed_sdpa",
-    "packed_varlen",
-    "sdpa",
-    "eager",
-    "flash_attention_2",
-    "flash_attention_3",
-)
-
-
-def _check(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
-def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    _check(value in allowed, f"{name}={value!r} is not valid; use one of {', '.join(allowed)}")
-
-
-@dataclass
-class TinyModelConfig:
-    """Random-init model built at run time when ``model.path`` is empty."""
-
-    arch: str = "llama"
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    intermediate_size: int = 256
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _one_of("model.tiny.arch", self.arch, ("llama", "qwen2"))
-
-
-@dataclass
-class LoraConfig:
-    """LoRA adapters (PEFT) on every trained model; ``rank`` 0 = full fine-tuning."""
-
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=list)  # [] = the architecture's projections
-    modules_to_save: list[str] = field(default_factory=list)  # also trained in full (e.g. lm_head)
-
-    def __post_init__(self) -> None:
-        _check(self.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {self.rank}")
-        _check(self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
-        _check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-
-@dataclass
-class ModelConfig:
-    path: str = ""  # HF model dir (actor/reference init); "" = build model.tiny at run time
-    critic_path: str = ""  # "" = critic from model.path with a fresh value head
-    attn_impl: str = "auto"
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-    def __post_init__(self) -> None:
-        _one_of("model.attn_impl", self.attn_impl, ATTN_IMPLS)
 
 
 @dataclass
@@ -513,6 +450,21 @@ class PPOConfig:
             and not (a.kl_in_reward and a.kl_coef > 0)
         )
 
+    @property
+    def syncs_adapter(self) -> bool:
+        """LoRA with adapter-only sync (``rollout.lora_sync=adapter``)."""
+        return self.model.lora.enabled and self.rollout.lora_sync == "adapter"
+
+    @property
+    def weight_sync_mode(self) -> str:
+        """The transport of every sync: ``rollout.weight_sync`` resolved, except that adapters
+        always travel through the object store (vLLM's NCCL/IPC weight transfer carries full
+        weights only; an adapter is a few MB)."""
+        r, c = self.rollout, self.cluster
+        if self.syncs_adapter:
+            return "object_store"
+        return resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
+
     def check_required(self) -> None:
         """What a run needs and no default may stand in for: the user's prompts and a reward.
 
@@ -559,13 +511,11 @@ class PPOConfig:
                 "cluster.colocate_engines=true: engines sleep while the trainer uses their GPUs, so they cannot "
                 "generate ahead; set train.max_staleness=0 (or cluster.colocate_engines=false)",
             )
-        if self.model.lora.enabled and r.lora_sync == "adapter":
+        if self.syncs_adapter:
             _check(
-                r.backend == "vllm"
-                and resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines) == "object_store",
-                f"rollout.lora_sync=adapter ships adapters to vLLM engines through the object store, but "
-                f"rollout.backend={r.backend} rollout.weight_sync={r.weight_sync}: set rollout.lora_sync=merged "
-                "(full weights through the chosen transport), or rollout.backend=vllm rollout.weight_sync=object_store",
+                r.backend == "vllm",
+                "rollout.lora_sync=adapter needs vLLM engines (their LoRA support); with rollout.backend=hf set "
+                "rollout.lora_sync=merged (the adapter folded into full weights)",
             )
             _check(
                 not self.model.lora.modules_to_save,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config.schema import PPOConfig, resolve_weight_sync
+from rlhf.config.schema import PPOConfig
 
 __all__ = ["EngineSync"]
 
@@ -29,7 +29,7 @@ class EngineSync:
 
     def __init__(self, cfg: PPOConfig, rollout: Any, actor: Any) -> None:
         r, c = cfg.rollout, cfg.cluster
-        self.mode = resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
+        self.mode = cfg.weight_sync_mode
         self.bucket_bytes = r.sync_bucket_mb << 20
         self.sleep_level = r.sleep_level if c.colocate_engines else 0
         self.timeout_s = cfg.train.rollout_timeout_s

@@ -235,11 +235,10 @@ class Workers:
 
 
 def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
-    from rlhf.config.schema import resolve_weight_sync
     from rlhf.workers.rollout_pool import RolloutPool
 
     r, c = cfg.rollout, cfg.cluster
-    sync = resolve_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
+    sync = cfg.weight_sync_mode
     kwargs = {
         "model_path": model_dir,
         "max_model_len": r.max_model_len,
@@ -261,7 +260,7 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
             log_dir=_log_dir(cfg.train.output_dir),
         )
         lora = lora_settings(cfg.model)
-        if lora is not None and r.lora_sync == "adapter":
+        if lora is not None and cfg.syncs_adapter:
             from transformers import AutoConfig
 
             from rlhf.models.lora import adapter_config

@@ -1,0 +1,73 @@
+"""The ``model`` section of every trainer's config: the model directory, attention, the tiny
+model built when there is none, and LoRA (``model.lora``). Re-exported by ``rlhf.config.schema``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTN_IMPLS = (
+    "auto",
+    "packed_sdpa",
+    "packed_varlen",
+    "sdpa",
+    "eager",
+    "flash_attention_2",
+    "flash_attention_3",
+)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"{name}={value!r} is not valid; use one of {', '.join(allowed)}")
+
+
+@dataclass
+class TinyModelConfig:
+    """Random-init model built at run time when ``model.path`` is empty."""
+
+    arch: str = "llama"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    intermediate_size: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("model.tiny.arch", self.arch, ("llama", "qwen2"))
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT) on every trained model; ``rank`` 0 = full fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)  # [] = the architecture's projections
+    modules_to_save: list[str] = field(default_factory=list)  # also trained in full (e.g. lm_head)
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {self.rank}")
+        _check(self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
+        _check(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF model dir (actor/reference init); "" = build model.tiny at run time
+    critic_path: str = ""  # "" = critic from model.path with a fresh value head
+    attn_impl: str = "auto"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("model.attn_impl", self.attn_impl, ATTN_IMPLS)
