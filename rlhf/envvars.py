@@ -15,6 +15,7 @@ import sys
 
 __all__ = [
     "CLUSTER_ENV",
+    "JOB_STOP_ENV",
     "CPU_ENV",
     "PASSTHROUGH",
     "TUNABLE",
@@ -48,6 +49,12 @@ CPU_ENV = {
     # spin at all) made the train step slower.
     "GOMP_SPINCOUNT": "20000",
 }
+
+# `ray job stop` (and a deleted or retried RayJob) sends the driver SIGTERM and SIGKILLs it this
+# many seconds later; Ray's default is 3 s, less than the driver needs to write its checkpoint
+# (train.stop_grace_s, 25 s, is its own deadline). Ray's job supervisor reads it from the job's
+# runtime_env, so launch/runtime_env.yaml carries it (and the KubeRay head, for RayJobs).
+JOB_STOP_ENV = {"RAY_JOB_STOP_WAIT_TIME_S": "60"}
 
 # May be set by the user in the driver's environment; their value is kept.
 TUNABLE = ("VLLM_CPU_KVCACHE_SPACE", "DS_ACCELERATOR", "GOMP_SPINCOUNT")

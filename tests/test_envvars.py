@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf.envvars import CLUSTER_ENV, CPU_ENV, TUNABLE, cpu_env, engine_env, model_worker_env
+from rlhf.envvars import CLUSTER_ENV, CPU_ENV, JOB_STOP_ENV, TUNABLE, cpu_env, engine_env, model_worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +48,9 @@ def test_scripts_env_sh_sets_the_cpu_env():
 
 def test_cluster_files_set_exactly_the_cluster_env():
     runtime_env = yaml.safe_load((ROOT / "launch/runtime_env.yaml").read_text())["env_vars"]
-    assert runtime_env == CLUSTER_ENV
-    assert _rayjob_env() == CLUSTER_ENV
+    # the jobs' runtime_env also carries the stop wait Ray's job supervisor reads (JOB_STOP_ENV)
+    assert runtime_env == {**CLUSTER_ENV, **JOB_STOP_ENV}
+    assert _rayjob_env() == {**CLUSTER_ENV, **JOB_STOP_ENV}
     docker = _dockerfile_env()
     assert {k: docker.get(k) for k in CLUSTER_ENV} == CLUSTER_ENV
     # CPU-only settings would break vLLM and DeepSpeed on a GPU cluster.

@@ -222,3 +222,35 @@ def test_a_rank_that_cannot_be_scheduled_fails_or_times_out_naming_the_resource(
             )
     finally:
         ray.kill(holder)
+
+
+def test_lora_run_resumes_after_sigterm_and_recovers_a_killed_rank_exactly(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """model.lora (adapter sync, reference = adapters off): the checkpoint holds the adapter and
+    its optimizer state only, and both a SIGTERM + resume and a rank killed mid-run reproduce
+    the uninterrupted LoRA run's metrics exactly."""
+    from rlhf.ppo import run
+    from rlhf.trainer.run_control import Preempted
+
+    lora = "model.lora.rank=8"
+    straight = run(compose("ppo", _overrides(tmp_path / "straight", tiny_llama_dir, lora)))
+    assert [h["step"] for h in straight] == list(range(1, STEPS + 1))
+
+    monkeypatch.setenv("RLHF_FAULT_MARKER", str(tmp_path / "fired-term"))
+    monkeypatch.setenv("RLHF_FAULT_AT_CALL", str(CALLS_PER_STEP * 3 + 1))
+    out = tmp_path / "term"
+    sigterm = f"reward.function={FAULTS}:count_reward_then_sigterm"
+    with pytest.raises(Preempted, match="stopped by SIGTERM after step 3"):
+        run(compose("ppo", _overrides(out, tiny_llama_dir, lora, sigterm)))
+    assert run(compose("ppo", _overrides(out, tiny_llama_dir, lora))) and _numbers(_rows(out)) == _numbers(
+        straight
+    )
+
+    cfg = _rank_killed_in_step(
+        4, tmp_path, tiny_llama_dir, monkeypatch, lora, "train.save_every=2", "train.max_recoveries=1"
+    )
+    history = run(cfg)
+    assert (tmp_path / "fired").is_file(), "the fault never fired: the test would prove nothing"
+    assert [h["run/recoveries"] for h in history] == [0, 0, 1, 1, 1, 1]
+    assert _numbers(history) == _numbers(straight)

@@ -19,6 +19,7 @@ from rlhf.config.model import ATTN_IMPLS, LoraConfig, ModelConfig, TinyModelConf
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 ROLLOUT_BACKENDS = ("vllm", "hf")
+PLACEMENT_STRATEGIES = ("pack", "spread", "strict_spread")
 
 
 @dataclass
@@ -411,6 +412,10 @@ class ClusterConfig:
     gpus_per_engine: float = 0.0
     # Longest wait for the cluster to grant the run's CPUs/GPUs and for engines and ranks to start.
     startup_timeout_s: float = 300.0
+    # pack | spread | strict_spread: how the bundles of each model group's placement group lie
+    # over the nodes (pack = as few nodes as possible; strict_spread = one rank per node)
+    placement_strategy: str = "pack"
+    engine_placement_strategy: str = ""  # the rollout engines' placement group; "" = placement_strategy
     # A local Ray (address ""): start attempts go on this long (at least one retry), since Ray
     # gives its own processes a fixed 30 s to come up and a loaded machine can miss that.
     ray_start_timeout_s: float = 120.0
@@ -421,6 +426,14 @@ class ClusterConfig:
             _check(getattr(self, name) >= 1, f"cluster.{name} must be >= 1")
         _check(self.startup_timeout_s > 0, "cluster.startup_timeout_s must be > 0")
         _check(self.ray_start_timeout_s > 0, "cluster.ray_start_timeout_s must be > 0")
+        _one_of("cluster.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if self.engine_placement_strategy:
+            _one_of("cluster.engine_placement_strategy", self.engine_placement_strategy, PLACEMENT_STRATEGIES)
+
+    def strategy(self, group: str) -> str:
+        """Ray's name of the placement strategy for ``group`` (a role, ``all`` or ``engines``)."""
+        s = self.engine_placement_strategy if group == "engines" else ""
+        return (s or self.placement_strategy).upper()
 
 
 @dataclass

@@ -178,7 +178,12 @@ def model_group(
     c, t = cfg.cluster, cfg.train
     check_fits({role: (num_ranks, c.cpus_per_worker, c.gpus_per_worker)}, c)
     pg = create_placement_group(
-        num_ranks, c.cpus_per_worker, c.gpus_per_worker, timeout_s=c.startup_timeout_s, name=_pg_name(role)
+        num_ranks,
+        c.cpus_per_worker,
+        c.gpus_per_worker,
+        strategy=c.strategy(role),
+        timeout_s=c.startup_timeout_s,
+        name=_pg_name(role),
     )
     try:
         placement = Placement.on_bundles(pg, num_ranks, c.cpus_per_worker, c.gpus_per_worker)
@@ -372,7 +377,7 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
     try:
         for name, (n, cpus, gpus) in bundles.items():
             pgs[name] = create_placement_group(
-                n, cpus, gpus, timeout_s=c.startup_timeout_s, name=_pg_name(name)
+                n, cpus, gpus, strategy=c.strategy(name), timeout_s=c.startup_timeout_s, name=_pg_name(name)
             )
         for role, ranks, path, lr in roles:
             pg = pgs["all" if c.colocate else role]

@@ -81,6 +81,13 @@ def create_placement_group(
             "lower cluster.actor_ranks/critic_ranks/ref_ranks/reward_ranks or "
             "cluster.cpus_per_worker/gpus_per_worker, raise cluster.num_cpus (local Ray), set "
             "cluster.colocate=true to share bundles, or add nodes to the Ray cluster"
+            + (
+                f". {strategy} puts every bundle on a node of its own: it needs {num_bundles} nodes with room "
+                f"(the cluster has {len([n for n in ray.nodes() if n.get('Alive')])} alive); use "
+                "cluster.placement_strategy=spread (best effort) or pack"
+                if strategy == "STRICT_SPREAD"
+                else ""
+            )
         )
     return pg
 

@@ -117,6 +117,22 @@ def test_eval_columns_default_to_the_datas():
     assert compose("ppo", ["experiment=rlvr_math"]).eval.prompt_key == ""  # "" = data.prompt_key
 
 
+def test_placement_strategy_per_group_and_engines():
+    cfg = compose("ppo", ["experiment=toy_count"])
+    assert (cfg.cluster.strategy("actor"), cfg.cluster.strategy("engines")) == ("PACK", "PACK")
+    cfg = compose(
+        "ppo",
+        [
+            "experiment=toy_count",
+            "cluster.placement_strategy=strict_spread",
+            "cluster.engine_placement_strategy=spread",
+        ],
+    )
+    assert (cfg.cluster.strategy("all"), cfg.cluster.strategy("engines")) == ("STRICT_SPREAD", "SPREAD")
+    with pytest.raises(ConfigError, match=r"cluster\.placement_strategy='strict' is not valid"):
+        compose("ppo", ["experiment=toy_count", "cluster.placement_strategy=strict"])
+
+
 def test_lora_config_and_what_it_cannot_be_combined_with():
     cfg = compose(
         "ppo", ["experiment=toy_count", "model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]"]

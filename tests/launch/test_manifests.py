@@ -540,6 +540,14 @@ def test_preemption_gives_the_driver_time_to_checkpoint(
     assert head["terminationGracePeriodSeconds"] > grace
     env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
     assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) > grace
+    # `ray job submit` (launch/submit.sh) too: Ray's job supervisor reads the wait from the job's
+    # runtime_env; its default of 3 s killed the driver before its checkpoint was written.
+    runtime_env = yaml.safe_load((REPO / "launch" / "runtime_env.yaml").read_text())
+    assert (
+        int(runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"])
+        == int(env["RAY_JOB_STOP_WAIT_TIME_S"])
+        > grace
+    )
     # A restarted job resumes: it is retried, and its output dir is on the shared volume.
     assert rayjob["spec"]["backoffLimit"] >= 1
     _, _, module, *overrides = rayjob["spec"]["entrypoint"].split()
@@ -560,6 +568,7 @@ def test_runtime_env_loads(runtime_env: dict[str, Any]) -> None:
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "RAY_JOB_STOP_WAIT_TIME_S": "60",
     }
     # CPU-only settings belong to the CPU entry point; on a GPU cluster they would break vLLM/DeepSpeed.
     assert not {"VLLM_CPU_KVCACHE_SPACE", "DS_ACCELERATOR"} & env.keys()

@@ -329,6 +329,25 @@ def test_missing_resources_error_names_cluster_fields(ray_session) -> None:
         create_placement_group(2, cpus_per_bundle=1000, gpus_per_bundle=0, timeout_s=1)
 
 
+@pytest.mark.e2e
+def test_strict_spread_on_too_few_nodes_says_how_many_it_needs(ray_session) -> None:
+    import ray
+
+    nodes = len([n for n in ray.nodes() if n.get("Alive")])
+    with pytest.raises(
+        RuntimeError,
+        match=rf"STRICT_SPREAD puts every bundle on a node of its own: it needs {nodes + 1} nodes",
+    ):
+        create_placement_group(
+            nodes + 1, cpus_per_bundle=0.01, gpus_per_bundle=0, strategy="STRICT_SPREAD", timeout_s=2
+        )
+    # SPREAD is best effort: the same bundles fit one node
+    pg = create_placement_group(
+        nodes + 1, cpus_per_bundle=0.01, gpus_per_bundle=0, strategy="SPREAD", timeout_s=30
+    )
+    ray.util.remove_placement_group(pg)
+
+
 # ---------------------------------------------------------------- critic init
 @pytest.mark.e2e
 def test_critic_keeps_the_head_of_a_value_model_dir(ray_session, model_dir, vocab, tmp_path) -> None:

@@ -41,6 +41,11 @@ def test_vllm_logging_config_sends_info_to_the_file_only(tmp_path, monkeypatch):
 
 def test_route_worker_logs_lowers_console_and_adds_the_file(tmp_path):
     ds = logging.getLogger("DeepSpeed")
+    # Only the handler this test plays DeepSpeed's own with: an `import deepspeed` earlier in
+    # this pytest process (peft -> accelerate imports it) left one on a closed capture stream.
+    earlier = list(ds.handlers)
+    for h in earlier:
+        ds.removeHandler(h)
     stream = io.StringIO()
     own = logging.StreamHandler(stream)
     ds.addHandler(own)
@@ -61,6 +66,8 @@ def test_route_worker_logs_lowers_console_and_adds_the_file(tmp_path):
     finally:
         for h in [h for h in ds.handlers if h is not own] + [own]:
             ds.removeHandler(h)
+        for h in earlier:
+            ds.addHandler(h)
         for h in [h for h in root.handlers if h not in before]:
             root.removeHandler(h)
             h.close()
