@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# A Ray cluster of several nodes on this one machine, for tests and for trying multi-node runs.
+#
+#   scripts/local_cluster.sh start [NODES] [CPUS_PER_NODE]   # default 3 nodes x 2 CPUs
+#   scripts/local_cluster.sh stop
+#
+# Node i gets its own loopback address (127.0.0.2, .3, ...; ray start --node-ip-address), its own
+# temp dir (nodes sharing one unpack a job's working_dir over each other) and free ports; each
+# runs in a session of its own, and `stop` kills exactly those sessions (never `ray stop`, which
+# would take down every Ray on the machine). State: $RLHF_CLUSTER_DIR (default /tmp/rlhf-cluster),
+# which also holds `address` (for cluster.address=), `dashboard` (for launch/submit.sh --address)
+# and `env` (source it: the cluster's private auth token and RAY_ADDRESS). The job's `python` is
+# the one beside this script's ray.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${RLHF_CLUSTER_DIR:-/tmp/rlhf-cluster}
+RAY=${RAY_CLI:-.venv/bin/ray}
+[ -x "$RAY" ] || RAY=$(command -v ray)
+RAY="$(cd "$(dirname "$RAY")" && pwd)/$(basename "$RAY")"  # absolute: the nodes' PATH gets its dir
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+stop() {
+  [ -d "$DIR" ] || return 0
+  for f in "$DIR"/node-*.sid; do
+    [ -e "$f" ] || continue
+    sid=$(cat "$f")
+    for sig in TERM KILL; do
+      pids=$(ps -eo pid=,sid= | awk -v s="$sid" '$2 == s {print $1}')
+      [ -n "$pids" ] || break
+      kill -s "$sig" $pids 2>/dev/null || true
+      sleep 2
+    done
+    rm -f "$f"
+  done
+  echo "stopped the local cluster in $DIR"
+}
+
+start() {
+  local nodes=${1:-3} cpus=${2:-2}
+  stop
+  mkdir -p "$DIR"
+  local port dash
+  port=$(free_port)
+  dash=$(free_port)
+  # Token authentication with a private token (Ray 2.60 turns token auth on by itself once
+  # ~/.ray/auth_token exists): source $DIR/env to talk to this cluster.
+  python3 -c 'import secrets; print(secrets.token_hex(32))' >"$DIR/auth_token"
+  chmod 600 "$DIR/auth_token"
+  printf 'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=%s RAY_ADDRESS=%s\n' "$DIR/auth_token" "127.0.0.2:$port" >"$DIR/env"
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token"
+  unset RAY_ADDRESS RAY_AUTH_TOKEN
+  export RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$RAY"):$PATH"
+  for i in $(seq 0 $((nodes - 1))); do
+    local ip="127.0.0.$((i + 2))" tmp="/tmp/rlhf-n$i-$$"  # short: Ray's socket paths must stay < 108 bytes
+    local args=(--node-ip-address="$ip" --num-cpus="$cpus" --temp-dir="$tmp" --block --disable-usage-stats)
+    if [ "$i" -eq 0 ]; then
+      args+=(--head --port="$port" --dashboard-host=127.0.0.2 --dashboard-port="$dash" --include-dashboard=true)
+    else
+      args+=(--address="127.0.0.2:$port")
+    fi
+    setsid "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
+    echo $! >"$DIR/node-$i.sid"  # setsid's child leads its own session: its pid is the session id
+    if [ "$i" -eq 0 ]; then  # the others join the head: wait until it answers
+      for _ in $(seq 1 120); do
+        "$RAY" status --address="127.0.0.2:$port" >/dev/null 2>&1 && break
+        sleep 1
+      done
+    fi
+  done
+  echo "127.0.0.2:$port" >"$DIR/address"
+  echo "http://127.0.0.2:$dash" >"$DIR/dashboard"
+  for _ in $(seq 1 120); do
+    alive=$("$RAY" status --address="127.0.0.2:$port" 2>/dev/null | grep -c " node_" || true)
+    [ "$alive" -ge "$nodes" ] && break
+    sleep 1
+  done
+  if [ "${alive:-0}" -lt "$nodes" ]; then
+    echo "only ${alive:-0} of $nodes nodes joined within 120 s; logs: $DIR/node-*.log" >&2
+    stop
+    exit 1
+  fi
+  echo "local cluster: $nodes nodes x $cpus CPUs at 127.0.0.2:$port (dashboard http://127.0.0.2:$dash)"
+}
+
+case "${1:-}" in
+  start) shift; start "$@" ;;
+  stop) stop ;;
+  *) sed -n '2,14p' "$0"; exit 2 ;;
+esac
