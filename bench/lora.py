@@ -10,9 +10,11 @@ memory is that variant's alone:
    (median of ``--steps`` after a warm-up step). Peak RSS is read after the steps, before any
    engine exists.
 2. Weight sync: what the trainer ships after a step (full: every tensor, HF names; LoRA: the
-   adapter tensors, PEFT names) and the seconds until a vLLM CPU engine serves it (full:
-   ``RolloutEngine.update_weights``, vLLM's ``reload_weights``; LoRA:
-   ``LoraRolloutEngine.update_weights``, an adapter dir + ``add_lora``), median of 3 syncs.
+   adapter tensors, PEFT names) and the seconds of one sync as a run does it: through the Ray
+   object store to a vLLM CPU engine actor that loads it (full: ``RolloutEngine``, vLLM's
+   ``reload_weights``; LoRA: ``LoraRolloutEngine``, an adapter dir + ``add_lora``), median of 3.
+   The vocabulary is a real tokenizer's size (``--vocab``, 32000): embeddings and lm_head are
+   part of what full fine-tuning ships.
 
 Targets (issue 23): sync bytes <= 2% of full, sync time <= 10% of full.
 """
@@ -48,6 +50,7 @@ def _model(out: Path, args: argparse.Namespace) -> Path:
             num_heads=args.hidden // 64,
             num_kv_heads=args.hidden // 64,
             intermediate_size=args.intermediate,
+            vocab_size=args.vocab or None,
         )
     return out
 
@@ -105,25 +108,33 @@ def trainer_side(variant: str, model_dir: Path, args: argparse.Namespace) -> dic
 
 
 def engine_side(variant: str, model_dir: Path, payload: dict, args: argparse.Namespace) -> dict:
-    """Seconds until a vLLM CPU engine serves the payload (median of 3 syncs)."""
+    """Seconds of one weight sync as a run does it (median of 3): the payload through the Ray
+    object store to a vLLM CPU engine actor (``RolloutPool.update_weights``), which loads it."""
+    import ray
+
     from rlhf.models.lora import LoraSettings, adapter_config
+    from rlhf.workers.rollout import RolloutEngine, default_engine_env
+    from rlhf.workers.rollout_pool import RolloutPool
 
     kwargs = {"model_path": str(model_dir), "max_model_len": 2 * args.seq_len}
+    engine_cls = RolloutEngine
     if variant == "lora":
-        from rlhf.workers.lora_rollout import LoraRolloutEngine as Engine
+        from rlhf.workers.lora_rollout import LoraRolloutEngine as engine_cls
 
         settings = LoraSettings(rank=args.rank, alpha=2.0 * args.rank)
         kwargs.update(lora_rank=args.rank, adapter_config=adapter_config(settings, "llama"), keep_versions=1)
-    else:
-        from rlhf.workers.rollout import RolloutEngine as Engine
-
-    engine = Engine(**kwargs, log_dir=tempfile.mkdtemp(prefix="bench-lora-logs-"))
-    times = []
-    for version in range(1, 4):
-        t0 = time.perf_counter()
-        engine.update_weights(list(payload.items()), version)
-        engine.generate([[1, 10, 11]], {"temperature": 0.0, "max_tokens": 1})  # the new weights serve
-        times.append(time.perf_counter() - t0)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    pool = RolloutPool(1, kwargs, engine_cls=engine_cls, env_vars=default_engine_env(0))
+    try:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            pool.update_weights(list(payload.items()))
+            times.append(time.perf_counter() - t0)
+        pool.generate([[1, 10, 11]], {"temperature": 0.0, "max_tokens": 1})  # the synced weights serve
+    finally:
+        pool.shutdown()
+        ray.shutdown()
     return {"sync_s": statistics.median(times)}
 
 
@@ -140,6 +151,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--vocab", type=int, default=32000, help="a real tokenizer's size (embeddings + lm_head)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -150,7 +162,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
-        args.hidden, args.layers, args.intermediate, args.rank, args.seq_len = 128, 2, 256, 8, 32
+        args.hidden, args.layers, args.intermediate, args.rank, args.seq_len, args.vocab = (
+            128,
+            2,
+            256,
+            8,
+            32,
+            0,
+        )
     return args
 
 
