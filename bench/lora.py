@@ -17,6 +17,10 @@ memory is that variant's alone:
    part of what full fine-tuning ships.
 
 Targets (issue 23): sync bytes <= 2% of full, sync time <= 10% of full.
+
+Measured (defaults, 2-core CI-like machine, 2026-12-04): full 168M trainable parameters vs
+LoRA 2.5M; sync 673 MB in 5.76 s vs 10.1 MB in 0.133 s (bytes 1.50%, time 2.31% of full);
+trainer peak RSS 3.91 GB vs 2.54 GB (0.65x); step 5.79 s vs 3.73 s (0.64x).
 """
 
 from __future__ import annotations

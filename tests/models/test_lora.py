@@ -20,17 +20,17 @@ SETTINGS = LoraSettings(rank=4, alpha=8.0)
 IDS = torch.tensor([[1, 10, 11, 12, 30, 31, 5]])
 
 
-def _trained(model_dir, seed=0):
+def trained_lora_model(model_dir, settings: LoraSettings = SETTINGS, seed: int = 0, scale: float = 0.2):
     """A model with LoRA injected and its B factors moved off zero (a stand-in for training)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    apply_lora(model, SETTINGS)
+    apply_lora(model, settings)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model
 
 
@@ -45,7 +45,7 @@ def test_only_adapters_train_and_the_exported_adapter_is_what_peft_loads(arch, r
     from transformers import AutoModelForCausalLM
 
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    model = _trained(model_dir)
+    model = trained_lora_model(model_dir)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * 7 * model.config.num_hidden_layers  # q k v o gate up down
@@ -65,7 +65,7 @@ def test_only_adapters_train_and_the_exported_adapter_is_what_peft_loads(arch, r
 def test_merged_weights_and_disabled_adapters_against_plain_models(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    model = _trained(tiny_llama_dir)
+    model = trained_lora_model(tiny_llama_dir)
     merged = dict(merged_tensors(model.named_parameters(), SETTINGS.scaling))
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     assert set(merged) == {n for n, _ in plain.named_parameters()}

@@ -11,6 +11,8 @@ from rlhf.models.lora import LoraSettings, adapter_config, adapter_tensors, merg
 from rlhf.workers.rollout import default_engine_env
 from rlhf.workers.rollout_pool import RolloutPool
 
+from ..models.test_lora import trained_lora_model
+
 pytestmark = pytest.mark.e2e
 LORA = LoraSettings(rank=4, alpha=8.0)
 PROMPTS = [[1, 10, 11, 12], [1, 20], [1, 30, 31, 32, 33, 34, 35]]
@@ -20,19 +22,7 @@ WORST: dict[str, float] = {}
 
 
 def _policy(model_dir, seed: int):
-    """A LoRA policy whose B factors moved off zero (a stand-in for training)."""
-    from transformers import AutoModelForCausalLM
-
-    from rlhf.models.lora import apply_lora
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    apply_lora(model, LORA)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
+    return trained_lora_model(model_dir, LORA, seed, scale=0.3)
 
 
 def _check_against(model, outs, what: str) -> None:
