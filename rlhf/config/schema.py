@@ -464,6 +464,12 @@ class PPOConfig:
         )
 
     @property
+    def reference_is_actor_base(self) -> bool:
+        """LoRA with a KL term: the reference log-probs come from the actor with its adapters off,
+        so no reference group is built."""
+        return self.model.lora.enabled and self.algorithm.kl_coef > 0
+
+    @property
     def syncs_adapter(self) -> bool:
         """LoRA with adapter-only sync (``rollout.lora_sync=adapter``)."""
         return self.model.lora.enabled and self.rollout.lora_sync == "adapter"

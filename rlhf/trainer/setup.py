@@ -194,7 +194,7 @@ def model_group(
             num_ranks,
             settings,
             placement,
-            lora=lora_settings(cfg.model) if lr > 0 else None,
+            lora=lora_settings(cfg.model),
             attn_impl=cfg.model.attn_impl,
             seed=t.seed,
             startup_timeout_s=c.startup_timeout_s,
@@ -264,13 +264,13 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
             enforce_eager=r.enforce_eager,
             log_dir=_log_dir(cfg.train.output_dir),
         )
-        lora = lora_settings(cfg.model)
-        if lora is not None and cfg.syncs_adapter:
+        if cfg.syncs_adapter:
             from transformers import AutoConfig
 
             from rlhf.models.lora import adapter_config
             from rlhf.workers.lora_rollout import LoraRolloutEngine as engine_cls
 
+            lora = lora_settings(cfg.model)
             model_type = AutoConfig.from_pretrained(model_dir).model_type
             kwargs.update(
                 lora_rank=lora.rank,
@@ -304,7 +304,7 @@ def _roles(cfg: PPOConfig, model_dir: str) -> list[tuple[str, int, str, float]]:
     """``(role, ranks, model dir, lr)`` of every DeepSpeed group the run needs."""
     c, a, t = cfg.cluster, cfg.algorithm, cfg.train
     roles = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
-    if a.kl_coef > 0 and not cfg.model.lora.enabled:  # LoRA: the actor without its adapters
+    if a.kl_coef > 0 and not cfg.reference_is_actor_base:
         roles.append(("reference", c.ref_ranks, model_dir, 0.0))
     if a.uses_critic:
         roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
@@ -391,7 +391,7 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
                 seed=t.seed,
                 log_dir=_log_dir(t.output_dir),
                 wait=False,
-                lora=lora_settings(cfg.model) if lr > 0 else None,
+                lora=lora_settings(cfg.model),
                 lora_sync=cfg.rollout.lora_sync,
             )
         pool = _rollout_pool(cfg, model_dir, pgs["all" if c.colocate_engines else "engines"])
@@ -407,7 +407,7 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
         raise
     log.info("workers started in %.1f s: %s", time.perf_counter() - t0, ", ".join(groups) + ", engines")
     reference = groups.get("reference")
-    if cfg.model.lora.enabled and cfg.algorithm.kl_coef > 0:
+    if cfg.reference_is_actor_base:
         reference = groups["actor"].without_adapters()
         log.info("reference log-probs: the actor with its LoRA adapters disabled (no reference model built)")
     return Workers(
