@@ -113,7 +113,9 @@ def _first_last(history: list[dict], key: str) -> str | None:
 
 def run_summary(history: list[dict], output_dir: str | Path, wall_s: float) -> str:
     """The lines a finished run prints: what it did and where its results are."""
-    out = Path(output_dir)
+    from rlhf.storage import Store, redact
+
+    store = Store(output_dir)
     steps = max((int(h["step"]) for h in history if "step" in h), default=len(history))
     lines = [f"done: {steps} steps in {wall_s:.0f} s"]
     for label, keys in (
@@ -125,28 +127,28 @@ def run_summary(history: list[dict], output_dir: str | Path, wall_s: float) -> s
         found = next((v for k in keys if (v := _first_last(history, k))), None)
         if found:
             lines.append(f"{label}: {found}")
-    for label, path in (
-        ("model", out / "final"),
-        ("checkpoints", out / "checkpoints"),
-        ("metrics", out / "metrics.jsonl"),
-        ("logs", out / "logs"),
+    for label, rel in (
+        ("model", "final"),
+        ("checkpoints", "checkpoints"),
+        ("metrics", "metrics.jsonl"),
+        ("logs", "logs"),
     ):
-        if path.exists():
-            lines.append(f"{label}: {path}")
+        if store.exists(rel):
+            lines.append(f"{label}: {redact(store.uri(rel))}")
     return "\n".join(lines)
 
 
 def run_job(run: Callable[[Any], list[dict]], cfg: Any) -> None:
     """``run(cfg)`` with preemption handling; a user error exits 2, success prints the summary."""
+    from rlhf.storage import local_mirror
     from rlhf.trainer.run_control import exit_on_preemption
 
-    out = Path(cfg.train.output_dir)
     t0 = time.perf_counter()
     try:
         history = exit_on_preemption(run, cfg)
     except USER_ERRORS as e:
-        raise SystemExit(report_user_error(e, out / "logs")) from None
-    print("\n" + run_summary(history or [], out, time.perf_counter() - t0), flush=True)
+        raise SystemExit(report_user_error(e, local_mirror(cfg.train.output_dir) / "logs")) from None
+    print("\n" + run_summary(history or [], cfg.train.output_dir, time.perf_counter() - t0), flush=True)
 
 
 def main(config_name: str, run: Callable[[Any], list[dict]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ]
     if unmarked:
         raise pytest.UsageError("tests that start Ray must carry @pytest.mark.e2e: " + ", ".join(unmarked))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A real S3-compatible server (moto's server mode) on a free loopback port; yields its
+    ``host:port``. Credentials travel in the URIs (``s3_uri``), so Ray workers need no env."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    exe = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which("moto_server")
+    if exe is None:
+        pytest.fail("moto_server not found: scripts/setup.sh installs the dev extra (moto[server])")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"moto_server did not answer on port {port} within 60 s")
+            time.sleep(0.2)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_uri(s3_server: str, request: pytest.FixtureRequest) -> str:
+    """``s3://`` URI of a fresh bucket on ``s3_server`` (one per test)."""
+    import re
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    bucket = (
+        re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:6]
+    )
+    query = f"endpoint_override={s3_server}&scheme=http&region=us-east-1"
+    fs, _ = pafs.FileSystem.from_uri(f"s3://test:test@{bucket}?{query}&allow_bucket_creation=true")
+    fs.create_dir(bucket)
+    return f"s3://test:test@{bucket}/run?{query}"

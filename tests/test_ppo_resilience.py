@@ -119,8 +119,8 @@ def test_sigterm_before_training_sets_the_batch_aside(straight, tmp_path, tiny_l
     )
     with pytest.raises(Preempted, match="stopped by SIGTERM after step 3") as e:
         run(cfg)
-    assert e.value.checkpoint == out / "checkpoints" / "step_3"
-    assert (e.value.checkpoint / "pending_rollouts.pt").is_file()
+    assert e.value.checkpoint == str(out / "checkpoints" / "step_3")
+    assert (out / "checkpoints" / "step_3" / "pending_rollouts.pt").is_file()
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
     history = run(compose("ppo", _overrides(out, tiny_llama_dir)))
     assert _numbers(history) == _numbers(straight) == _numbers(_rows(out))

@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +25,7 @@ from rlhf.trainer.experience import ExperienceMaker, RolloutStats
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
 from rlhf.trainer.rollout_pipeline import ProducedBatch, RolloutPipeline
 from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
+from rlhf.trainer.run_output import RunOutput
 from rlhf.trainer.timing import PhaseTimer
 from rlhf.trainer.tracking import Tracker
 
@@ -100,7 +100,7 @@ class PPOTrainer:
             else None
         )
         self.value_objective = ValueObjective(clip_eps=a.value_clip or None, aggregation=a.loss_aggregation)
-        self.out = Path(cfg.train.output_dir)
+        self.out = RunOutput(cfg.train.output_dir)
         self.step = 0
         self.pipeline: RolloutPipeline | None = None
         self.threaded_rollouts: bool | None = None  # None: a producer thread iff max_staleness >= 1
@@ -118,10 +118,11 @@ class PPOTrainer:
             Preempted: SIGTERM/SIGINT arrived; the checkpoint was written first.
         """
         t = self.cfg.train
-        if resolve_resume(self.out, t.resume) is not None:
+        if resolve_resume(self.out.location, t.resume) is not None:
+            self.out.pull()
             self.try_resume()
         tracker = Tracker(
-            str(self.out), t.num_steps, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step
+            str(self.out.local), t.num_steps, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step
         )
         self.pipeline = RolloutPipeline(
             self.collect,
@@ -134,7 +135,7 @@ class PPOTrainer:
         ).start()
         policy = CheckpointPolicy(t.save_every, t.save_every_min)
         try:
-            with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out))) as stop:
+            with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out.location))) as stop:
                 if self.evaluator is not None and self.step == 0:
                     tracker.log(self.step, self.evaluate(), advance=False)  # the starting point
                 while self.step < t.num_steps:
@@ -144,8 +145,9 @@ class PPOTrainer:
                         policy.saved()
                     if stop.requested is not None and self.step < t.num_steps:
                         stop.finished()
-                        raise Preempted(stop.requested, self.step, latest_checkpoint(self.out))
-                save_final(self.w.actor, self.out, self.cfg.model.lora.enabled, t.save_merged)
+                        raise Preempted(stop.requested, self.step, latest_checkpoint(self.out.location))
+                save_final(self.w.actor, self.out.location, self.cfg.model.lora.enabled, t.save_merged)
+                self.out.publish(self._all_groups(), self.w.rollout)
         finally:
             self.pipeline.close()
             tracker.close()
@@ -351,7 +353,11 @@ class PPOTrainer:
     def _trained_groups(self) -> dict:
         return {"actor": self.w.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
-    def save(self) -> Path:
+    def _all_groups(self) -> list:
+        w = self.w
+        return [g for g in (w.actor, w.reference, w.critic, w.reward_model) if g is not None]
+
+    def save(self) -> str:
         """Actor/critic DeepSpeed checkpoints, step, data position and the batches generated
         ahead but not trained on yet (``max_staleness >= 1``); updates ``latest``."""
         pending = self.pipeline.drain()
@@ -359,13 +365,15 @@ class PPOTrainer:
             state = {"step": self.step, "loader": self.loader.state_dict()}
             blobs = {PENDING_ROLLOUTS: pending} if pending else {}
             keep = self.cfg.train.keep_checkpoints
-            return save_checkpoint(self.out, self.step, self._trained_groups(), state, blobs, keep)
+            path = save_checkpoint(self.out.location, self.step, self._trained_groups(), state, blobs, keep)
+            self.out.publish(self._all_groups(), self.w.rollout)
+            return path
         finally:
             self.pipeline.resume()
 
     def try_resume(self) -> bool:
         """Restore the latest checkpoint, if any: models, step, data position, pending rollouts."""
-        ckpt = load_latest(self.out, self._trained_groups(), blobs=(PENDING_ROLLOUTS,))
+        ckpt = load_latest(self.out.location, self._trained_groups(), blobs=(PENDING_ROLLOUTS,))
         if ckpt is None:
             return False
         self.step = int(ckpt.state["step"])

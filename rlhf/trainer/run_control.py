@@ -21,7 +21,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
-from rlhf.trainer.checkpoint import latest_checkpoint
+from rlhf.storage import redact
+from rlhf.trainer.checkpoint import forget_latest, latest_checkpoint
 
 log = logging.getLogger("rlhf")
 T, R = TypeVar("T"), TypeVar("R")
@@ -32,10 +33,10 @@ __all__ = ["CheckpointPolicy", "GracefulStop", "Preempted", "exit_on_preemption"
 class Preempted(Exception):
     """The run stopped on a signal after saving ``checkpoint`` (None: nothing to save yet)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         name = signal.Signals(signum).name
-        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (nothing trained yet)"
+        where = f"checkpoint {redact(checkpoint)}" if checkpoint else "no checkpoint (nothing trained yet)"
         super().__init__(
             f"stopped by {name} after step {step}; {where}. To continue, run the same command again "
             "(train.resume=auto, the default, picks up <train.output_dir>/checkpoints/latest)"
@@ -129,7 +130,7 @@ class CheckpointPolicy:
         self.last = self.clock()
 
 
-def resolve_resume(output_dir: str | Path, mode: str) -> Path | None:
+def resolve_resume(output_dir: str | Path, mode: str) -> str | None:
     """The checkpoint to continue from under ``train.resume=mode``, or None to start at step 0.
 
     ``true`` without a checkpoint is an error (it would silently start over); ``false`` with
@@ -139,19 +140,19 @@ def resolve_resume(output_dir: str | Path, mode: str) -> Path | None:
     found = latest_checkpoint(output_dir)
     if mode == "true" and found is None:
         raise FileNotFoundError(
-            f"train.resume=true but {Path(output_dir) / 'checkpoints' / 'latest'} does not exist: nothing to "
+            f"train.resume=true but {output_dir}/checkpoints/latest does not exist: nothing to "
             "resume from. Check train.output_dir, or use train.resume=auto to start fresh when there is none"
         )
     if mode == "false" and found is not None:
         log.warning(
             "train.resume=false: starting at step 0; the earlier checkpoint %s stays on disk but is no "
             "longer `latest`, and metrics.jsonl starts over",
-            found,
+            redact(found),
         )
-        (Path(output_dir) / "checkpoints" / "latest").unlink()
+        forget_latest(output_dir)
         return None
     if found is not None:
-        log.info("resuming from %s (train.resume=%s)", found, mode)
+        log.info("resuming from %s (train.resume=%s)", redact(found), mode)
     return found
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from rlhf.config.schema import DeepSpeedConfig
 from rlhf.envvars import cpu_env
+from rlhf.storage import local_mirror
 
 if TYPE_CHECKING:
     from rlhf.config.schema import ClusterConfig, ModelConfig, PPOConfig
@@ -99,7 +100,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def prepare_model_dir(model_cfg: ModelConfig, output_dir: str) -> str:
-    """``model.path``, or a tiny random-init model built once under ``output_dir``."""
+    """``model.path``, or a tiny random-init model built once under ``output_dir`` (the driver's
+    staging copy of it for a storage URI; the model is shipped to nodes that lack it)."""
     if model_cfg.path:
         if not Path(model_cfg.path, "config.json").is_file():
             raise ValueError(
@@ -114,7 +116,7 @@ def prepare_model_dir(model_cfg: ModelConfig, output_dir: str) -> str:
         return model_cfg.path
     from rlhf.models.tiny import build_tiny_model
 
-    out = Path(output_dir) / "tiny_model"
+    out = local_mirror(output_dir) / "tiny_model"
     if not (out / "config.json").is_file():
         t = model_cfg.tiny
         build_tiny_model(
@@ -208,8 +210,9 @@ def model_group(
 
 
 def _log_dir(output_dir: str) -> str:
-    """Workers' INFO logs: ``<output_dir>/logs`` (absolute: workers run in other directories)."""
-    return str((Path(output_dir) / "logs").resolve())
+    """Workers' INFO logs: ``<output_dir>/logs`` (absolute: workers run in other directories);
+    for a storage URI the same path under each node's staging dir, uploaded by ``RunOutput.publish``."""
+    return str(local_mirror(output_dir) / "logs")
 
 
 def _pg_name(role: str) -> str:

@@ -16,12 +16,12 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf.data.types import Sample
 from rlhf.trainer.checkpoint import latest_checkpoint, load_latest, save_checkpoint, save_final
 from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
+from rlhf.trainer.run_output import RunOutput
 from rlhf.trainer.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class SupervisedTrainer:
             raise ValueError("nothing to train on: the training set is empty")
         self.cfg, self.group = cfg, group
         self.train_units, self.eval_units = list(train_units), list(eval_units)
-        self.out = Path(cfg.train.output_dir)
+        self.out = RunOutput(cfg.train.output_dir)
         self.step = 0
 
     @property
@@ -112,10 +112,13 @@ class SupervisedTrainer:
         """Train ``train.epochs`` epochs (or ``train.max_steps``), save ``<output_dir>/final``; return metrics."""
         t = self.cfg.train
         total = self.total_steps
-        if resolve_resume(self.out, t.resume) is not None:
-            ckpt = load_latest(self.out, {"model": self.group})
+        if resolve_resume(self.out.location, t.resume) is not None:
+            self.out.pull()
+            ckpt = load_latest(self.out.location, {"model": self.group})
             self.step = int(ckpt.state["step"])  # the batch schedule is seeded: skip what was done
-        tracker = Tracker(str(self.out), total, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step)
+        tracker = Tracker(
+            str(self.out.local), total, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step
+        )
         log.info(
             "%s: %d training units, %d held out, %d optimizer steps",
             type(self).__name__,
@@ -125,23 +128,25 @@ class SupervisedTrainer:
         )
         policy = CheckpointPolicy(t.save_every, t.save_every_min)
         try:
-            with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out))) as stop:
+            with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out.location))) as stop:
                 for progress, epoch_end, batch in itertools.islice(self.schedule(), self.step, total):
                     tracker.log(self.step + 1, self.step_once(progress, epoch_end, batch))
                     self.step += 1
                     if policy.due(self.step, self.step == total, stop.requested is not None):
                         save_checkpoint(
-                            self.out,
+                            self.out.location,
                             self.step,
                             {"model": self.group},
                             {"step": self.step},
                             keep=t.keep_checkpoints,
                         )
+                        self.out.publish([self.group])
                         policy.saved()
                     if stop.requested is not None and self.step < total:
                         stop.finished()
-                        raise Preempted(stop.requested, self.step, latest_checkpoint(self.out))
-                final = save_final(self.group, self.out, self.cfg.model.lora.enabled, t.save_merged)
+                        raise Preempted(stop.requested, self.step, latest_checkpoint(self.out.location))
+                final = save_final(self.group, self.out.location, self.cfg.model.lora.enabled, t.save_merged)
+                self.out.publish([self.group])
                 log.info("saved the trained model to %s", final)
         finally:
             tracker.close()

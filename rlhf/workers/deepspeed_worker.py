@@ -38,6 +38,7 @@ from rlhf.data.packing import dummy_flat_batch
 from rlhf.data.types import FlatBatch
 from rlhf.models.lora import LoraSettings
 from rlhf.models.objective import TrainObjective
+from rlhf.storage import Store, staged_read, staged_write
 from rlhf.workers.placement import use_cpu_share
 from rlhf.workers.weight_sync import full_shape
 from rlhf.workers.worker_weights import WorkerWeights
@@ -188,7 +189,8 @@ class ModelWorker(WorkerWeights):
 
         from rlhf.workers.logs import route_worker_logs
 
-        route_worker_logs(log_dir and f"{log_dir}/{role}-{rank}.log")
+        self.log_file = log_dir and f"{log_dir}/{role}-{rank}.log"
+        route_worker_logs(self.log_file)
         self.role, self.model_dir, self.rank, self.world_size = role, str(model_dir), rank, world_size
         self.settings = settings or DeepSpeedSettings()
         self.trainable = role in TRAINABLE_ROLES or (role == "reward" and self.settings.lr > 0)
@@ -460,18 +462,20 @@ class ModelWorker(WorkerWeights):
         With LoRA only the trainable tensors (adapter, modules_to_save) and their optimizer state:
         the frozen base is reloaded from ``model_dir``."""
         self._require_engine_with_optimizer("save_checkpoint")
-        self.engine.save_checkpoint(path, tag=tag, exclude_frozen_parameters=self.lora is not None)
+        with staged_write(path, f"{self.role}-{self.rank}") as local:  # a URI: upload this rank's part
+            self.engine.save_checkpoint(local, tag=tag, exclude_frozen_parameters=self.lora is not None)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> None:
         """Restore what ``save_checkpoint`` wrote (``tag`` None = the latest)."""
         self._require_engine_with_optimizer("load_checkpoint")
-        load_path, _ = self.engine.load_checkpoint(
-            path,
-            tag=tag,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=True,
-            load_module_strict=self.lora is None,
-        )
+        with staged_read(path, f"{self.role}-{self.rank}") as local:
+            load_path, _ = self.engine.load_checkpoint(
+                local,
+                tag=tag,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+                load_module_strict=self.lora is None,
+            )
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found under {path!r} (tag {tag!r})")
 
@@ -488,6 +492,11 @@ class ModelWorker(WorkerWeights):
             if self.role == "reward"
             else ""
         )
+
+    def upload_log(self, output_dir: str) -> None:
+        """Copy this rank's log file to ``<output_dir>/logs/`` (a URI: logs stay on their node)."""
+        if self.log_file and os.path.isfile(self.log_file):
+            Store(output_dir).upload(self.log_file, f"logs/{os.path.basename(self.log_file)}")
 
     def shutdown(self) -> None:
         """Leave the process group (lets the actor exit cleanly)."""

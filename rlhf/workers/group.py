@@ -412,12 +412,17 @@ class ModelGroup:
         self._on_all("save_hf", str(path), merged)
 
     def save_checkpoint(self, path: str, tag: str | None = None) -> None:
-        """DeepSpeed checkpoint (model, optimizer, scheduler) under ``path``: a shared dir."""
+        """DeepSpeed checkpoint (model, optimizer, scheduler) under ``path``: a shared dir, or a
+        storage URI each rank uploads its part to (``rlhf.storage``)."""
         self._on_all("save_checkpoint", str(path), tag)
 
     def load_checkpoint(self, path: str, tag: str | None = None) -> None:
         """Restore every rank from ``save_checkpoint``'s dir."""
         self._on_all("load_checkpoint", str(path), tag)
+
+    def upload_logs(self, output_dir: str) -> None:
+        """Every rank copies its log file to ``<output_dir>/logs/``."""
+        self._on_all("upload_log", output_dir)
 
     def shutdown(self) -> None:
         """Leave the process groups and kill the actors (the placement group is the caller's)."""
@@ -461,6 +466,9 @@ class BaseModelView:
         self, samples: Sequence[Sample], max_tokens_per_microbatch: int, temperature: float = 1.0
     ) -> list[torch.Tensor]:
         return self.forward_async(samples, max_tokens_per_microbatch, temperature)()
+
+    def upload_logs(self, output_dir: str) -> None:
+        """Nothing: the actor's ranks are these ranks, and the actor uploads their logs."""
 
     def shutdown(self) -> None:
         """Nothing to stop: the actor group is shut down on its own."""

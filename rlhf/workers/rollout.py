@@ -269,7 +269,7 @@ def _request_amx_permission() -> None:
             init_amx()
 
 
-def _route_engine_logs(log_dir: Path) -> None:
+def _route_engine_logs(log_dir: Path) -> Path:
     """vLLM's INFO lines and its start-up noise to ``engine-<pid>.log``, real warnings to the console.
 
     vLLM's documented hook (``VLLM_LOGGING_CONFIG_PATH``) configures its loggers when
@@ -283,16 +283,27 @@ def _route_engine_logs(log_dir: Path) -> None:
     from rlhf.workers.logs import vllm_logging_config
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    config = vllm_logging_config(log_dir / f"engine-{os.getpid()}.log")
+    log_file = log_dir / f"engine-{os.getpid()}.log"
+    config = vllm_logging_config(log_file)
     conf = log_dir / f"vllm-logging-{os.getpid()}.json"
     conf.write_text(json.dumps(config))
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(conf)
     logging.config.dictConfig(config)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    return log_file
 
 
 class EngineCounters:
     """``ping``/``stats`` and the counters every rollout backend keeps (vLLM and ``hf``)."""
+
+    log_file: Path | None = None
+
+    def upload_log(self, output_dir: str) -> None:
+        """Copy this engine's log file to ``<output_dir>/logs/`` (a URI: logs stay on their node)."""
+        if self.log_file is not None and self.log_file.is_file():
+            from rlhf.storage import Store
+
+            Store(output_dir).upload(self.log_file, f"logs/{self.log_file.name}")
 
     def _start_counters(self, backend: str, t0: float) -> None:
         self._stats: dict[str, Any] = {
@@ -373,8 +384,7 @@ class RolloutEngine(EngineCounters):
             for key, value in engine_env(0).items():
                 os.environ.setdefault(key, value)
             _request_amx_permission()
-        if log_dir:
-            _route_engine_logs(Path(log_dir))
+        self.log_file = _route_engine_logs(Path(log_dir)) if log_dir else None
         from vllm import LLM
 
         self.llm = LLM(

@@ -296,6 +296,12 @@ class RolloutPool:
         """Every engine re-allocates ``tags`` ("weights", "kv_cache"; None = all)."""
         self._call_all("wake_up", {i: (tags,) for i in range(self.num_engines)})
 
+    def upload_logs(self, output_dir: str, timeout_s: float = 120.0) -> None:
+        """Every engine copies its log file to ``<output_dir>/logs/`` (bounded: logs are not worth a hang)."""
+        import ray
+
+        ray.get([e.upload_log.remote(output_dir) for e in self.engines], timeout=timeout_s)
+
     def ping(self) -> list[str]:
         import ray
 

@@ -5,12 +5,14 @@ rollout engines (full weights, a LoRA adapter, or LoRA merged), the vLLM transfe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
 
 import torch
 
+from rlhf.storage import staged_write
 from rlhf.workers.weight_sync import (
     EnginePoolClient,
     engine_param_name,
@@ -144,12 +146,18 @@ class WorkerWeights:
         """Rank 0 writes an HF model dir (+ the tokenizer of ``model_dir``). Collective under ZeRO-3.
 
         With LoRA: a PEFT adapter dir (``PeftModel.from_pretrained(base, path)``), or with
-        ``merged`` the HF model with the adapter folded in."""
+        ``merged`` the HF model with the adapter folded in. ``path`` may be a storage URI: rank 0
+        writes into node-local staging and uploads it."""
+        writing = staged_write(path, f"final-{self.rank}") if self.rank == 0 else contextlib.nullcontext(path)
+        with writing as local:
+            if self.lora is not None and not merged:
+                self._save_adapter(local)
+            else:
+                self._save_hf_model(local)
+
+    def _save_hf_model(self, path: str) -> None:
         import torch.distributed as dist
 
-        if self.lora is not None and not merged:
-            self._save_adapter(path)
-            return
         sd = (
             self.get_weights()
             if self.lora is None

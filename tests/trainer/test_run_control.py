@@ -47,7 +47,7 @@ def test_resume_modes(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"train.resume=true but .*latest does not exist"):
         resolve_resume(tmp_path, "true")
     d = _fake_checkpoint(tmp_path, 4)
-    assert resolve_resume(tmp_path, "auto") == d == resolve_resume(tmp_path, "true")
+    assert resolve_resume(tmp_path, "auto") == str(d) == resolve_resume(tmp_path, "true")
     # false: start over, and never let a recovery of this run pick up the old state
     assert resolve_resume(tmp_path, "false") is None
     assert latest_checkpoint(tmp_path) is None and d.is_dir()

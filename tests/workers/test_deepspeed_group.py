@@ -199,6 +199,30 @@ def test_checkpoint_resume_equals_uninterrupted(actor, vocab, tmp_path) -> None:
 
 
 @pytest.mark.e2e
+def test_checkpoint_and_final_model_through_an_s3_uri(actor, vocab, model_dir, s3_uri, tmp_path) -> None:
+    """No shared disk: each rank uploads its own part from node-local staging, a load downloads it."""
+    from rlhf.storage import Store
+
+    actor.load_checkpoint(actor.init_ckpt, tag="init")
+    a, b = _samples(vocab, seed=2), _samples(vocab, seed=3)
+    actor.train(a, SFTObjective(), BUDGET)
+    actor.save_checkpoint(f"{s3_uri.replace('/run?', '/ckpt?')}")
+    actor.train(b, SFTObjective(), BUDGET)
+    uninterrupted = actor.get_weights()
+    store = Store(s3_uri.replace("/run?", "/ckpt?"))
+    tag = store.read_text("latest").strip()
+    shards = [n for n in store.list_files(tag) if "optim_states" in n]
+    assert len(shards) == 2, store.list_files(tag)  # one optimizer partition from each rank
+    actor.load_checkpoint(actor.init_ckpt, tag="init")
+    actor.load_checkpoint(store.location)
+    actor.train(b, SFTObjective(), BUDGET)
+    assert _max_diff(actor.get_weights(), uninterrupted) < 1e-7
+    actor.save_hf(s3_uri.replace("/run?", "/final?"))
+    Store(s3_uri.replace("/run?", "/final?")).download("", tmp_path / "final")
+    assert _max_diff(_hf_lm(tmp_path / "final").state_dict(), actor.get_weights()) == 0.0
+
+
+@pytest.mark.e2e
 def test_get_weights_full_hf_state_dict_and_save_hf(actor, model_dir, tmp_path) -> None:
     actor.load_checkpoint(actor.init_ckpt, tag="init")
     weights = actor.get_weights()
