@@ -26,6 +26,7 @@ from typing import Any
 from rlhf.config import CONF_DIR, SCHEMAS, ConfigError, compose, to_object
 from rlhf.data.chat import DataRowError
 from rlhf.rewards import RewardFunctionError
+from rlhf.workers.node_files import NodeFilesError
 
 log = logging.getLogger("rlhf")
 
@@ -37,6 +38,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     RewardFunctionError,
     FileNotFoundError,
     ValueError,
+    NodeFilesError,
 )
 USER_ERROR_EXIT = 2
 # Config groups selected by name (model=hf), besides the schema's own fields.

@@ -21,12 +21,13 @@ def run(cfg: DPOConfig) -> list[dict]:
 
     from rlhf.data.chat import load_pairs
     from rlhf.trainer.dpo_trainer import DPOTrainer, fill_reference
-    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir
+    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir, prepare_nodes
     from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
     train, held_out = load_pairs(cfg.data, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
+    prepare_nodes(cfg.train.output_dir, [model_dir, cfg.dpo.ref_path], cfg.cluster.startup_timeout_s)
     budget = cfg.train.max_tokens_per_microbatch
     # The reference is only needed once: score everything, then give its resources to the policy.
     with model_group(cfg, "reference", cfg.dpo.ref_path or model_dir, cfg.cluster.ref_ranks) as reference:

@@ -26,7 +26,7 @@ def run(cfg: PPOConfig) -> list[dict]:
     from rlhf.envs import load_env
     from rlhf.rewards import Reward
     from rlhf.trainer.ppo_trainer import PPOTrainer
-    from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir
+    from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir, prepare_nodes
 
     reward_fn = Reward.from_config(cfg.reward) if cfg.reward.type == "function" and cfg.reward.specs else None
     env_factory = None
@@ -60,6 +60,11 @@ def run(cfg: PPOConfig) -> list[dict]:
         )
         eval_prompts = eval_prompts[: cfg.eval.max_prompts or None]
     init_ray(cfg.cluster)
+    prepare_nodes(
+        cfg.train.output_dir,
+        [model_dir, cfg.model.critic_path, cfg.reward.model_path],
+        cfg.cluster.startup_timeout_s,
+    )
 
     def attempt(cfg: PPOConfig, recoveries: int) -> list[dict]:
         workers = build_workers(cfg, model_dir)

@@ -21,12 +21,13 @@ def run(cfg: RMConfig) -> list[dict]:
 
     from rlhf.data.chat import load_pairs
     from rlhf.trainer.rm_trainer import RMTrainer
-    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir
+    from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir, prepare_nodes
     from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
     train, held_out = load_pairs(cfg.data, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
+    prepare_nodes(cfg.train.output_dir, [model_dir], cfg.cluster.startup_timeout_s)
     steps = count_steps(len(train), cfg.train)
     # A reward group with lr > 0 trains (train.lr > 0 is validated); from the causal-LM dir it
     # starts with a fresh score head (see rlhf.trainer.rm_trainer).

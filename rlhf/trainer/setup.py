@@ -57,6 +57,15 @@ def init_ray(cluster: ClusterConfig) -> None:
         )
 
 
+def prepare_nodes(output_dir: str, model_dirs: list[str], timeout_s: float) -> None:
+    """Before any worker starts (Ray is up): refuse a local ``output_dir`` that some node does not
+    share, and ship model dirs that only the driver's node has (``rlhf.workers.node_files``)."""
+    from rlhf.workers.node_files import check_shared_dir, ship_model_dirs
+
+    check_shared_dir(output_dir, timeout_s)
+    ship_model_dirs(model_dirs, timeout_s)
+
+
 # What ray.init raises when the processes it started did not come up in time: Ray waits a fixed
 # 30 s for its raylet to register (ray/_private/node.py), which a loaded machine can miss.
 _RAY_START_FAILURES = ("timed out during startup", "failed to start", "Failed to connect to GCS")

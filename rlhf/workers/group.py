@@ -31,7 +31,7 @@ from rlhf.envvars import model_worker_env
 from rlhf.models.lora import LoraSettings
 from rlhf.models.objective import TrainObjective
 from rlhf.workers.deepspeed_worker import ROLES, DeepSpeedSettings, ModelWorker
-from rlhf.workers.errors import WorkerDied, is_process_death
+from rlhf.workers.errors import WorkerDied, is_process_death, lost_peer
 from rlhf.workers.placement import Placement, describe_resources, free_port
 from rlhf.workers.worker_weights import DEFAULT_SYNC_BUCKET_BYTES
 
@@ -50,6 +50,9 @@ def _remote_free_port(exclude: list[int]) -> int:
 
 
 _LOOPBACK = "127.0.0.1"
+# How long a rank whose collective lost its peer waits for Ray to report that peer dead (a lost
+# node is declared dead after its health checks fail: ~15 s with Ray's defaults).
+PEER_DEATH_WAIT_S = 60.0
 
 
 def _rendezvous_node(
@@ -244,12 +247,40 @@ class ModelGroup:
             try:
                 results[r] = ray.get(done[0])
             except Exception as e:
+                if (
+                    not is_process_death(e)
+                    and lost_peer(e)
+                    and (dead := self._dead_peer(r, pending, rank_of))
+                ):
+                    self._fail(
+                        f"{what} failed on rank {r} of {self.num_ranks} after rank {dead[0]} died",
+                        dead[1],
+                        WorkerDied,
+                    )
                 self._fail(
                     f"{what} failed on rank {r} of {self.num_ranks}",
                     e,
                     WorkerDied if is_process_death(e) else RuntimeError,
                 )
         return results
+
+    def _dead_peer(
+        self, failed: int, pending: list[Any], rank_of: dict[Any, int]
+    ) -> tuple[int, BaseException] | None:
+        """After rank ``failed`` lost a collective peer: a rank that died, with its error (Ray can
+        take seconds to notice a lost node, so this waits up to ``PEER_DEATH_WAIT_S``)."""
+        probes = {rank_of[p]: p for p in pending}
+        for r, w in enumerate(self.workers):
+            if r != failed and r not in probes:
+                probes[r] = w.__ray_ready__.remote()  # a rank that returned may have died since
+        ray.wait(list(probes.values()), num_returns=len(probes), timeout=PEER_DEATH_WAIT_S)
+        for r, ref in sorted(probes.items()):
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - sorted out just below
+                if is_process_death(e):
+                    return r, e
+        return None
 
     def _fail(self, what: str, e: BaseException, cls: type[RuntimeError]) -> None:
         self._failure, self._failure_cls = what, cls

@@ -74,8 +74,16 @@ def create_placement_group(
     if not ready:
         state = placement_group_table(pg).get("state", "unknown")
         ray.util.remove_placement_group(pg)
+        dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
         raise RuntimeError(
-            f"placement group of {num_bundles} bundles x {bundle} ({strategy}) not ready after "
+            (
+                f"nodes {dead} died and no node with their resources joined within {timeout_s:.0f} s "
+                "(cluster.startup_timeout_s): bring them back or add nodes, or shrink the run to the nodes "
+                "left. "
+                if dead
+                else ""
+            )
+            + f"placement group of {num_bundles} bundles x {bundle} ({strategy}) not ready after "
             f"{timeout_s:.0f}s (state {state}); the cluster has {describe_resources(ray.cluster_resources())} in "
             f"total. Need CPU={num_bundles * cpus_per_bundle:g}, GPU={num_bundles * gpus_per_bundle:g}: "
             "lower cluster.actor_ranks/critic_ranks/ref_ranks/reward_ranks or "

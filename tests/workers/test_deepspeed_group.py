@@ -433,6 +433,62 @@ def test_failing_rank_kills_the_group_fast_instead_of_hanging(ray_session, model
         group.shutdown()
 
 
+@pytest.mark.e2e
+def test_a_collective_error_after_a_peer_died_is_a_worker_death(ray_session, model_dir, vocab) -> None:
+    """Rank 0's error (what gloo raises when the other end is gone) arrives first; rank 1 dies a
+    second later. The group reports the death (recoverable), not rank 0's error (a bug)."""
+    from rlhf.workers.errors import WorkerDied, is_process_death
+
+    class PeerLost(SFTObjective):
+        def __call__(self, model, mb, loss_scale):
+            import os
+            import time
+
+            import torch.distributed as dist
+
+            if dist.get_rank() == 1:
+                time.sleep(1.0)
+                os._exit(1)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+
+    group = ModelGroup("actor", str(model_dir), 2, DeepSpeedSettings(**DS, zero_stage=2))
+    try:
+        with pytest.raises(WorkerDied, match=r"train_step failed on rank 0 of 2 after rank 1 died") as e:
+            group.train(_samples(vocab), PeerLost(), BUDGET)
+        assert is_process_death(e.value)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.e2e
+def test_an_error_in_a_workers_init_is_not_a_death(ray_session) -> None:
+    """A missing model dir on a node fails the actor's __init__: rebuilding would fail the same way."""
+    from rlhf.workers.errors import is_process_death
+
+    @ray_session.remote(num_cpus=0)
+    class NeedsAFile:
+        def __init__(self, path: str):
+            open(path).close()
+
+        def ping(self) -> str:
+            return "pong"
+
+    @ray_session.remote(num_cpus=0)
+    class Fine:
+        def ping(self) -> str:
+            return "pong"
+
+    with pytest.raises(ray_session.exceptions.RayActorError) as e:
+        ray_session.get(NeedsAFile.remote("/nonexistent/model/config.json").ping.remote(), timeout=60)
+    assert "No such file" in str(e.value) and not is_process_death(e.value)
+    fine = Fine.remote()
+    ray_session.get(fine.ping.remote(), timeout=60)
+    ray_session.kill(fine)
+    with pytest.raises(ray_session.exceptions.RayActorError) as e:
+        ray_session.get(fine.ping.remote(), timeout=60)
+    assert is_process_death(e.value)  # a killed process still is one
+
+
 def test_rendezvous_loopback_only_when_every_bundle_is_on_the_driver_node() -> None:
     bundles = {0: "A", 1: "A", 2: "B", 3: "B"}  # a 2-node PACK placement group
     ips = {"A": "10.0.0.1", "B": "10.0.0.2"}
