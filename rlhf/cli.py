@@ -89,8 +89,13 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
     try:
         compose(config_name, own)
     except _hydra_errors() as e:
-        msg = unknown_key_message(config_name, own)
-        raise ConfigError(msg or f"invalid config: {e}") from e
+        msg = unknown_key_message(config_name, own) or f"invalid config: {e}"
+        if "mismatched input" in str(e) or "token recognition error" in str(e):
+            msg += (
+                "\nA value with '=', '&', ',' or spaces (a storage URI with a query, say) must be quoted "
+                "for Hydra inside the shell's quotes: 'train.output_dir=\"s3://bucket/run?scheme=http&...\"'"
+            )
+        raise ConfigError(msg) from e
 
 
 def report_user_error(e: BaseException, log_dir: Path | None) -> int:

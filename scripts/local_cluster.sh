@@ -10,7 +10,10 @@
 # would take down every Ray on the machine). State: $RLHF_CLUSTER_DIR (default /tmp/rlhf-cluster),
 # which also holds `address` (for cluster.address=), `dashboard` (for launch/submit.sh --address)
 # and `env` (source it: the cluster's private auth token and RAY_ADDRESS). The job's `python` is
-# the one beside this script's ray.
+# the one beside this script's ray. The nodes inherit this script's environment.
+#
+# RLHF_PRIVATE_DIR=DIR: the last node gets a disk of its own at DIR (an empty tmpfs in a mount
+# namespace of its own; needs root), to try what a cluster without a shared disk does there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${RLHF_CLUSTER_DIR:-/tmp/rlhf-cluster}
@@ -59,7 +62,14 @@ start() {
     else
       args+=(--address="127.0.0.2:$port")
     fi
-    setsid "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
+    if [ -n "${RLHF_PRIVATE_DIR:-}" ] && [ "$i" -gt 0 ] && [ "$i" -eq $((nodes - 1)) ]; then
+      mkdir -p "$RLHF_PRIVATE_DIR"
+      # unshare and sh exec: the pid stays setsid's, so `stop` still finds the session
+      setsid unshare --mount --propagation private sh -c 'mount -t tmpfs rlhf-private "$0" && exec "$@"' \
+        "$RLHF_PRIVATE_DIR" "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
+    else
+      setsid "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
+    fi
     echo $! >"$DIR/node-$i.sid"  # setsid's child leads its own session: its pid is the session id
     if [ "$i" -eq 0 ]; then  # the others join the head: wait until it answers
       for _ in $(seq 1 120); do
@@ -86,5 +96,5 @@ start() {
 case "${1:-}" in
   start) shift; start "$@" ;;
   stop) stop ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
 esac

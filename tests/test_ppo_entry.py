@@ -66,6 +66,10 @@ def test_cli_rejects_bad_key_before_starting_anything(tmp_path):
     assert "did you mean train.num_steps?" in msg
     msg = _one_clear_error(_cli("experiment=toy_count", "trian.num_steps=3"))
     assert "did you mean train.num_steps?" in msg
+    # a storage URI with a query, unquoted for Hydra: how to quote it
+    proc = _cli("experiment=toy_count", "train.output_dir=s3://b/run?endpoint_override=h:9000&scheme=http")
+    _one_clear_error(proc)
+    assert "must be quoted" in proc.stderr and "'train.output_dir=\"s3://" in proc.stderr
 
 
 def test_cli_semantic_error_names_field(tmp_path):

@@ -96,3 +96,10 @@ def test_latest_moves_only_after_every_part_is_stored(location):
 def test_a_bad_uri_names_the_setting():
     with pytest.raises(ValueError, match="train.output_dir='nosuchfs://x' is not a storage URI"):
         Store("nosuchfs://x")
+
+
+def test_a_driver_that_holds_no_rank_saves_its_state(location):
+    """A KubeRay head with num-cpus=0: no rank on the driver's node made the step directory."""
+    path = save_checkpoint(location, 1, {}, {"step": 1}, {"pending": [1, 2]})
+    assert path == Store(location).uri("checkpoints/step_1")
+    assert load_latest(location, {}, blobs=("pending",)).blobs == {"pending": [1, 2]}

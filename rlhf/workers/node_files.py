@@ -96,9 +96,15 @@ def check_shared_dir(path: str, timeout_s: float, setting: str = "train.output_d
         marker.unlink(missing_ok=True)
     blind = [ip for (_, ip), ok in zip(nodes, seen, strict=True) if not ok]
     if blind:
+        relative = (
+            f" ({path} is relative: to the driver's working dir, {Path.cwd()}, which a Ray job unpacks on "
+            "each node separately; give an absolute path)"
+            if not Path(path).is_absolute()
+            else ""
+        )
         raise NodeFilesError(
             f"{setting}={path} is not shared: nodes {blind} do not see the file the driver wrote in it "
-            "(each node has its own disk there). Ranks write their checkpoint parts into it, so a resume "
+            f"(each node has its own disk there){relative}. Ranks write their checkpoint parts into it, so a resume "
             f"would miss them. Use a directory every node mounts (NFS, a KubeRay PVC) or a storage URI, "
             f"e.g. {setting}=s3://bucket/run (README: Several nodes)"
         )

@@ -1,14 +1,18 @@
 """Several Ray nodes on one machine (scripts/local_cluster.sh: distinct loopback IPs, a temp dir
-per node, private token auth), and a GRPO job submitted to it with launch/submit.sh that spreads
-its ranks and engines over the nodes, checked from Ray's own view (the state API)."""
+per node, private token auth; the third node has a disk of its own at PRIVATE), and GRPO jobs
+submitted with launch/submit.sh: ranks and engines spread over the nodes (checked from Ray's own
+view, the state API), outputs in a real S3-compatible server, `ray job stop` -> checkpoint ->
+resubmission resumes; a local output dir the third node cannot see is refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +34,15 @@ print(json.dumps([ips, where]))
 """
 
 
+def _private_disks() -> bool:
+    """Mount namespaces with a tmpfs (root on Linux), for a node without the shared disk."""
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", "mount -t tmpfs t /mnt"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
 def _env(state: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
@@ -47,8 +60,14 @@ def _env(state: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Path]:
     state = Path(tempfile.mkdtemp(prefix="rlhf-cl-", dir="/tmp"))
+    env = _env(state)
+    if _private_disks():
+        env["RLHF_PRIVATE_DIR"] = str(state / "private")
+        # every process stages under PRIVATE: the third node's staging (and the tiny model the
+        # driver builds there) is its own
+        env["RLHF_STAGING_DIR"] = str(state / "private" / "staging")
     start = subprocess.run(
-        [str(SCRIPT), "start", "3", "2"], env=_env(state), capture_output=True, text=True, timeout=300
+        [str(SCRIPT), "start", "3", "2"], env=env, capture_output=True, text=True, timeout=300
     )
     try:
         assert start.returncode == 0, start.stdout[-2000:] + start.stderr[-2000:]
@@ -57,27 +76,195 @@ def cluster() -> Iterator[Path]:
         subprocess.run([str(SCRIPT), "stop"], env=_env(state), capture_output=True, timeout=120)
 
 
-def test_spread_grpo_job_puts_ranks_and_engines_on_different_nodes(cluster, tmp_path):
+def _submit(cluster: Path, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess:
+    dashboard = (cluster / "dashboard").read_text().strip()
+    return subprocess.run(
+        [str(REPO / "launch" / "submit.sh"), "--address", dashboard, *(() if wait else ("--no-wait",)), "--", *overrides],
+        env=_env(cluster), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+JOB = (
+    "experiment=toy_count", "algorithm=grpo", "train.rollout_batch_size=4", "rollout.n_samples_per_prompt=2",
+    "cluster.actor_ranks=2", "cluster.ref_ranks=2", "cluster.placement_strategy=strict_spread",
+    "train.tensorboard=false",
+)  # fmt: skip
+
+
+def test_a_local_output_dir_the_nodes_do_not_share_is_refused(cluster):
+    if not (cluster / "private").is_dir():
+        pytest.skip("no mount namespaces here (needs root): every node shares this disk")
+    t0 = time.perf_counter()
+    proc = _submit(cluster, *JOB, "train.num_steps=1", f"train.output_dir={cluster / 'private' / 'out'}")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "is not shared: nodes ['127.0.0.4'] do not see the file" in out, out[-3000:]
+    assert "s3://" in out  # the message names the way out
+    print(f"\nrefused in {time.perf_counter() - t0:.1f} s")
+
+
+def test_spread_job_on_s3_is_stopped_resubmitted_and_resumes(cluster, s3_uri):
+    """strict_spread puts the 2 colocated actor+reference ranks on two nodes and the engine on the
+    third (whose disk is private: the tiny model is shipped to it); checkpoints, metrics, logs
+    and the final model go to S3; `ray job stop` checkpoints and a resubmission resumes."""
+    from rlhf.storage import Store
+
+    store = Store(s3_uri)
+    job = (
+        *JOB,
+        "train.num_steps=20",  # ~1 s a step here: long enough to be stopped mid-run
+        "train.save_every=1",
+        "train.stop_grace_s=50",
+        f'train.output_dir="{s3_uri}"',  # quoted for Hydra
+    )
+    t0 = time.perf_counter()
+    sub = _submit(cluster, *job, wait=False)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
+    deadline = time.monotonic() + 400
+    while not (store.is_file("checkpoints/latest") and store.read_text("checkpoints/latest") >= "step_2"):
+        assert time.monotonic() < deadline and not _ended(cluster, job_id), _logs(cluster, job_id)[-3000:]
+        time.sleep(0.5)
     env = _env(cluster)
     dashboard = (cluster / "dashboard").read_text().strip()
-    proc = subprocess.run(
-        [str(REPO / "launch" / "submit.sh"), "--address", dashboard, "--",
-         "experiment=toy_count", "algorithm=grpo", "train.num_steps=2", "train.rollout_batch_size=4",
-         "rollout.n_samples_per_prompt=2", "cluster.actor_ranks=2", "cluster.ref_ranks=2",
-         "cluster.placement_strategy=strict_spread", "train.tensorboard=false", f"train.output_dir={tmp_path}"],
-        env=env, capture_output=True, text=True, timeout=600,
+    stop = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "job", "stop", "--address", dashboard, job_id],
+        env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "done: 2 steps" in proc.stdout
-    # Ray's own view, from a process of the cluster's env (Ray reads its auth mode once per process)
-    view = subprocess.run(
-        [sys.executable, "-c", STATE_VIEW, dashboard], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert view.returncode == 0, view.stderr[-2000:]
-    ips, where = json.loads(view.stdout.strip().splitlines()[-1])
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    logs = _logs(cluster, job_id)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+)", logs)
+    assert stopped, logs[-3000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < 20 and store.read_text("checkpoints/latest") == f"step_{step}"
+    t_first = time.perf_counter() - t0
+    view = _where(cluster)  # the stopped job's actors, from Ray's own view
+    resumed = _submit(cluster, *job)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-4000:]
+    assert f"at step {step}" in out and "resumed from s3://***@" in out and "done: 20 steps" in out, out[
+        -3000:
+    ]
+    rows = [json.loads(x) for x in store.read_text("metrics.jsonl").splitlines()]
+    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 21))
+    files = store.list_files()
+    assert "final/model.safetensors" in files and "final/tokenizer.json" in files
+    ranks = [f for f in files if f.startswith("checkpoints/step_20/actor/") and "optim_states" in f]
+    assert len(ranks) == 2, files  # each rank's optimizer part, from two nodes
+    logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
+    assert {"actor", "reference", "engine"} <= logs_up, files
+    ips, where = view
     assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-    # colocated actor + reference rank i share bundle i; strict_spread: one bundle per node
     workers, engines = where["ModelWorker"], where["RolloutEngine"]
     assert len(workers) == 4 and len(set(workers)) == 2 and all(workers.count(ip) == 2 for ip in set(workers))
     assert len(engines) == 1 and engines[0] not in workers  # the third node
-    print(f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}")
+    print(
+        f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}; stopped after step {step} "
+        f"at {t_first:.0f} s, resumed run {time.perf_counter() - t0 - t_first:.0f} s"
+    )
+
+
+def _logs(cluster: Path, job_id: str) -> str:
+    dashboard = (cluster / "dashboard").read_text().strip()
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "job", "logs", "--address", dashboard, job_id],
+        env=_env(cluster), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+def _ended(cluster: Path, job_id: str) -> str:
+    """The job's final status, or "" while it runs."""
+    dashboard = (cluster / "dashboard").read_text().strip()
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "job", "status", "--address", dashboard, job_id],
+        env=_env(cluster), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in proc.stdout), "")
+
+
+def _where(cluster: Path) -> tuple[dict, dict]:
+    dashboard = (cluster / "dashboard").read_text().strip()
+    view = subprocess.run(
+        [sys.executable, "-c", STATE_VIEW, dashboard],
+        env=_env(cluster),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert view.returncode == 0, view.stderr[-2000:]
+    return tuple(json.loads(view.stdout.strip().splitlines()[-1]))
+
+
+# Prints [[ip, pid, rank]] of the live actor ranks (ModelWorker actors of role actor, by name).
+LIVE_RANKS = """
+import json, sys
+from ray.util.state import list_actors, list_nodes
+ips = {n.node_id: n.node_ip for n in list_nodes(address=sys.argv[1])}
+print(json.dumps([[ips[a.node_id], a.pid, a.name] for a in list_actors(
+    address=sys.argv[1], limit=1000, detail=True, filters=[("state", "=", "ALIVE")])
+    if a.class_name == "ModelWorker"]))
+"""
+
+
+def test_a_node_lost_during_a_checkpoint_save_is_recovered(cluster, s3_uri):
+    """Runs last (it takes a node down). A worker node that holds an actor rank is killed (its
+    raylet and workers: what a lost machine does) while that rank is writing its checkpoint part;
+    the run rebuilds on the two nodes left from the last complete checkpoint and finishes."""
+    from rlhf.storage import Store
+
+    store = Store(s3_uri)
+    job = (
+        *JOB,
+        "train.num_steps=4",
+        "train.save_every=1",
+        f'train.output_dir="{s3_uri}"',
+    )  # quoted for Hydra
+    t0 = time.perf_counter()
+    sub = _submit(cluster, *job, wait=False)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
+    deadline = time.monotonic() + 400
+    while not store.is_file("checkpoints/latest"):  # step 1 saved: every rank is up
+        assert time.monotonic() < deadline and not _ended(cluster, job_id), _logs(cluster, job_id)[-3000:]
+        time.sleep(0.5)
+    dashboard = (cluster / "dashboard").read_text().strip()
+    live = subprocess.run(
+        [sys.executable, "-c", LIVE_RANKS, dashboard],
+        env=_env(cluster),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert live.returncode == 0, live.stderr[-2000:]
+    ip, pid = next(
+        (ip, pid) for ip, pid, _ in json.loads(live.stdout.strip().splitlines()[-1]) if ip != "127.0.0.2"
+    )
+    # the rank's staging dir as its own node sees it (its mount namespace, through /proc)
+    staging = Path(f"/proc/{pid}/root") / str(cluster / "private" / "staging" / "write")
+    if not (cluster / "private").is_dir():
+        staging = Path(tempfile.gettempdir()) / "rlhf-staging" / "write"
+    saved = store.read_text("checkpoints/latest")
+    deadline = time.monotonic() + 300
+    while not (staging.is_dir() and any("-actor-" in p.name for p in staging.iterdir())):
+        assert time.monotonic() < deadline, "no checkpoint save seen in 300 s"
+        time.sleep(0.005)
+    during_save = store.read_text("checkpoints/latest") == saved  # `latest` not moved yet
+    node = int(ip.rsplit(".", 1)[1]) - 2
+    sid = (cluster / f"node-{node}.sid").read_text().strip()
+    subprocess.run(["pkill", "-KILL", "-s", sid], check=False)
+    t_kill = time.perf_counter() - t0
+    deadline = time.monotonic() + 500
+    while not (status := _ended(cluster, job_id)):
+        assert time.monotonic() < deadline, _logs(cluster, job_id)[-4000:]
+        time.sleep(2)
+    logs = _logs(cluster, job_id)
+    assert status == "SUCCEEDED", logs[-4000:]
+    assert "recovery 1 of 2" in logs and "done: 12 steps" in logs, logs[-4000:]
+    rows = [json.loads(x) for x in store.read_text("metrics.jsonl").splitlines()]
+    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 13))
+    print(
+        f"\nkilled node {ip} (actor rank pid {pid}) at {t_kill:.0f} s, during a save: {during_save}; "
+        f"recovered and done at {time.perf_counter() - t0:.0f} s; "
+        + re.search(r"a worker died: [^\n]*", logs).group(0)[:300]
+    )
