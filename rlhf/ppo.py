@@ -85,6 +85,7 @@ def run(cfg: PPOConfig) -> list[dict]:
 def with_recovery(attempt: Callable[[PPOConfig, int], list[dict]], cfg: PPOConfig) -> list[dict]:
     """``attempt(cfg, recoveries)``; when a worker process died, again from the last
     checkpoint, at most ``train.max_recoveries`` times."""
+    from rlhf.storage import redact
     from rlhf.trainer.checkpoint import latest_checkpoint
     from rlhf.workers.errors import WorkerDied, is_process_death
 
@@ -99,7 +100,7 @@ def with_recovery(attempt: Callable[[PPOConfig, int], list[dict]], cfg: PPOConfi
             if recoveries == t.max_recoveries:
                 raise WorkerDied(
                     f"a worker died and train.max_recoveries={t.max_recoveries} recoveries are used up: {e}\n"
-                    f"The last checkpoint is {ckpt or 'none (the run would start over)'}; run the same command "
+                    f"The last checkpoint is {redact(ckpt) if ckpt else 'none (the run would start over)'}; run the same command "
                     "again to continue from it (train.resume=auto)"
                 ) from e
             log.error(
@@ -108,7 +109,7 @@ def with_recovery(attempt: Callable[[PPOConfig, int], list[dict]], cfg: PPOConfi
                 e,
                 recoveries + 1,
                 t.max_recoveries,
-                ckpt or "step 0 (no checkpoint yet)",
+                redact(ckpt) if ckpt else "step 0 (no checkpoint yet)",
             )
             # From now on this run's own checkpoints are the ones to continue from.
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, resume="auto"))

@@ -93,7 +93,7 @@ def create_placement_group(
                 f". {strategy} puts every bundle on a node of its own: it needs {num_bundles} nodes with room "
                 f"(the cluster has {len([n for n in ray.nodes() if n.get('Alive')])} alive); use "
                 "cluster.placement_strategy=spread (best effort) or pack"
-                if strategy == "STRICT_SPREAD"
+                if strategy == "STRICT_SPREAD" and num_bundles > 1
                 else ""
             )
         )

@@ -1,8 +1,9 @@
 """Several Ray nodes on one machine (scripts/local_cluster.sh: distinct loopback IPs, a temp dir
-per node, private token auth; the third node has a disk of its own at PRIVATE), and GRPO jobs
+per node, private token auth; the last of four has a disk of its own at PRIVATE), and GRPO jobs
 submitted with launch/submit.sh: ranks and engines spread over the nodes (checked from Ray's own
 view, the state API), outputs in a real S3-compatible server, `ray job stop` -> checkpoint ->
-resubmission resumes; a local output dir the third node cannot see is refused."""
+resubmission resumes; a local output dir the last node cannot see is refused; a node lost during a
+checkpoint save is recovered on the three left."""
 
 from __future__ import annotations
 
@@ -63,11 +64,11 @@ def cluster() -> Iterator[Path]:
     env = _env(state)
     if _private_disks():
         env["RLHF_PRIVATE_DIR"] = str(state / "private")
-        # every process stages under PRIVATE: the third node's staging (and the tiny model the
+        # every process stages under PRIVATE: the last node's staging (and the tiny model the
         # driver builds there) is its own
         env["RLHF_STAGING_DIR"] = str(state / "private" / "staging")
     start = subprocess.run(
-        [str(SCRIPT), "start", "3", "2"], env=env, capture_output=True, text=True, timeout=300
+        [str(SCRIPT), "start", "4", "2"], env=env, capture_output=True, text=True, timeout=300
     )
     try:
         assert start.returncode == 0, start.stdout[-2000:] + start.stderr[-2000:]
@@ -98,14 +99,14 @@ def test_a_local_output_dir_the_nodes_do_not_share_is_refused(cluster):
     proc = _submit(cluster, *JOB, "train.num_steps=1", f"train.output_dir={cluster / 'private' / 'out'}")
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "is not shared: nodes ['127.0.0.4'] do not see the file" in out, out[-3000:]
+    assert "is not shared: nodes ['127.0.0.5'] do not see the file" in out, out[-3000:]
     assert "s3://" in out  # the message names the way out
     print(f"\nrefused in {time.perf_counter() - t0:.1f} s")
 
 
 def test_spread_job_on_s3_is_stopped_resubmitted_and_resumes(cluster, s3_uri):
-    """strict_spread puts the 2 colocated actor+reference ranks on two nodes and the engine on the
-    third (whose disk is private: the tiny model is shipped to it); checkpoints, metrics, logs
+    """strict_spread puts the 2 colocated actor+reference ranks (2 CPUs each) on two nodes and the
+    engine on a third (a node with a private disk gets the tiny model shipped); checkpoints, metrics, logs
     and the final model go to S3; `ray job stop` checkpoints and a resubmission resumes."""
     from rlhf.storage import Store
 
@@ -154,10 +155,10 @@ def test_spread_job_on_s3_is_stopped_resubmitted_and_resumes(cluster, s3_uri):
     logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
     assert {"actor", "reference", "engine"} <= logs_up, files
     ips, where = view
-    assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
     workers, engines = where["ModelWorker"], where["RolloutEngine"]
     assert len(workers) == 4 and len(set(workers)) == 2 and all(workers.count(ip) == 2 for ip in set(workers))
-    assert len(engines) == 1 and engines[0] not in workers  # the third node
+    assert len(engines) == 1 and engines[0] not in workers  # a node of its own
     print(
         f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}; stopped after step {step} "
         f"at {t_first:.0f} s, resumed run {time.perf_counter() - t0 - t_first:.0f} s"
@@ -210,13 +211,13 @@ print(json.dumps([[ips[a.node_id], a.pid, a.name] for a in list_actors(
 def test_a_node_lost_during_a_checkpoint_save_is_recovered(cluster, s3_uri):
     """Runs last (it takes a node down). A worker node that holds an actor rank is killed (its
     raylet and workers: what a lost machine does) while that rank is writing its checkpoint part;
-    the run rebuilds on the two nodes left from the last complete checkpoint and finishes."""
+    the run rebuilds on the three nodes left from the last complete checkpoint and finishes."""
     from rlhf.storage import Store
 
     store = Store(s3_uri)
     job = (
         *JOB,
-        "train.num_steps=4",
+        "train.num_steps=12",
         "train.save_every=1",
         f'train.output_dir="{s3_uri}"',
     )  # quoted for Hydra
