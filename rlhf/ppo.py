@@ -22,17 +22,15 @@ def run(cfg: PPOConfig) -> list[dict]:
     """Build everything from a validated ``PPOConfig`` and train; returns the metric history."""
     from transformers import AutoTokenizer
 
+    from rlhf.agents.tool_env import env_factory as env_factory_from
     from rlhf.data.prompts import PromptLoader, load_prompts
-    from rlhf.envs import load_env
     from rlhf.rewards import Reward
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir, prepare_nodes
 
     reward_fn = Reward.from_config(cfg.reward) if cfg.reward.type == "function" and cfg.reward.specs else None
-    env_factory = None
-    if cfg.env.name:
-        load_env(cfg.env.name)  # fail now, not mid-rollout, on a bad env.name
-        env_factory = lambda: load_env(cfg.env.name)  # noqa: E731
+    env_factory = env_factory_from(cfg.env)
+    tools = env_factory.tools if env_factory is not None else None
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts, skipped = load_prompts(
@@ -44,6 +42,7 @@ def run(cfg: PPOConfig) -> list[dict]:
         cfg.data.max_prompt_len,
         cfg.data.overlong_prompts,
         cfg.data.label_key,
+        tools=tools,
     )
     if skipped:
         log.warning("skipped %d prompts longer than data.max_prompt_len=%d", skipped, cfg.data.max_prompt_len)
@@ -57,6 +56,7 @@ def run(cfg: PPOConfig) -> list[dict]:
             overlong=cfg.data.overlong_prompts,
             label_key=cfg.eval.label_key or cfg.data.label_key,
             section="eval",
+            tools=tools,
         )
         eval_prompts = eval_prompts[: cfg.eval.max_prompts or None]
     init_ray(cfg.cluster)

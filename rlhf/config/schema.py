@@ -14,6 +14,7 @@ from rlhf.algorithms.correction import CORRECTION_LEVELS, CORRECTION_MODES
 from rlhf.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 
 # The model section lives in rlhf/config/model.py; re-exported here with the other sections.
+from rlhf.config.env import EnvConfig  # noqa: F401
 from rlhf.config.model import ATTN_IMPLS, LoraConfig, ModelConfig, TinyModelConfig, _check, _one_of  # noqa: F401
 
 KL_KINDS = ("k1", "k2", "k3")
@@ -127,15 +128,6 @@ class RewardConfig:
     def specs(self) -> list[str]:
         """The reward functions that score the run (``functions``, else ``function``; [] = none)."""
         return list(self.functions) or ([self.function] if self.function else [])
-
-
-@dataclass
-class EnvConfig:
-    """Multi-turn environment; ``name`` empty = single-turn generation."""
-
-    name: str = ""  # "module:Class" implementing rlhf.envs.base.Env
-    max_turns: int = 3
-    max_observation_tokens: int = 32
 
 
 @dataclass
@@ -502,6 +494,11 @@ class PPOConfig:
             "rlhf.rewards.verifiers:math_verify_reward), or reward.functions=[...] with reward.weights=[...], "
             "or reward.type=model reward.model_path=DIR, or env.name=module:Class for an environment that "
             "returns the reward",
+        )
+        _check(
+            not self.env.tools or self.reward.type == "model" or bool(self.reward.specs),
+            "env.tools: the tool environment ends a trajectory at the final answer without a reward of its own; "
+            "set reward.function (a verifier of that answer, e.g. rlhf.rewards.verifiers:math_verify_reward)",
         )
 
     def __post_init__(self) -> None:

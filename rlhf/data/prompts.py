@@ -67,8 +67,10 @@ def load_prompts(
     overlong: str = "error",
     label_key: str = "",
     section: str = "data",
+    tools: list[dict] | None = None,
 ) -> tuple[list[Prompt], int]:
-    """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``.
+    """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``. ``tools`` (schemas)
+    are rendered into the prompt by the chat template (tool-calling runs, ``env.tools``).
 
     ``overlong="error"`` raises on a prompt over ``max_len`` tokens naming
     ``data.max_prompt_len``; ``"skip"`` drops it and counts it. ``section`` (``data`` or
@@ -83,7 +85,7 @@ def load_prompts(
         rows = read_prompt_rows(source, key, label_key, section)
     prompts, skipped = [], 0
     for i, (msgs, columns) in enumerate(rows):
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if max_len is not None and len(ids) > max_len:
             if overlong == "skip":

@@ -28,6 +28,9 @@ prompt              str | None    the prompt text as the engine saw it (chat tem
 prompt_len          int | None    tokens of the prompt (the first turn), input_ids[:prompt_len]
 env_reward          float | None  reward given by a multi-turn environment (None = not given)
 finish_reason       str | None    why generation stopped: "stop", "length" (hit the limit)
+final_response      str | None    a multi-turn trajectory's last policy turn (what the reward
+                                  function scores); None = the whole response
+turns               int           policy turns in the sample (1 for single-turn)
 weight_version      int | None    policy version (optimizer steps) of the weights that generated it
 info                dict          the dataset row's own columns (e.g. ``answer``), untouched, for
                                   the reward and the environment; the framework reads none of it
@@ -78,6 +81,8 @@ class Sample:
     prompt_len: int | None = None
     env_reward: float | None = None
     finish_reason: str | None = None
+    final_response: str | None = None
+    turns: int = 1
     weight_version: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
 

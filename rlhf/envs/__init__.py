@@ -1,5 +1,5 @@
 """Multi-turn environments: the policy acts, the environment answers with observation tokens."""
 
-from rlhf.envs.base import Env, StepResult, load_env
+from rlhf.envs.base import Env, StepResult, ToolStats, load_env
 
-__all__ = ["Env", "StepResult", "load_env"]
+__all__ = ["Env", "StepResult", "ToolStats", "load_env"]

@@ -41,16 +41,23 @@ class Evaluator:
             raise ValueError("eval.prompts holds no prompt")
         self.maker, self.prompts, self.cfg = maker, list(prompts), eval_cfg
         self.max_new_tokens = max_new_tokens
+        self.agent_metrics: dict[str, float] = {}  # eval/agent/* of the greedy pass (multi-turn)
 
     def _scores(self, n: int, temperature: float) -> tuple[list[list[float]], list[int]]:
         """Rewards ``[prompt][sample]`` and response lengths of ``n`` samples per prompt."""
         sampling = {"n": n, "temperature": temperature, "max_tokens": self.max_new_tokens, "seed": 12_345}
-        outs = self.maker.rollout.generate([p.token_ids for p in self.prompts], sampling)
-        samples = [
-            build_sample(p, c, group_id=i)
-            for i, (p, comps) in enumerate(zip(self.prompts, outs, strict=True))
-            for c in comps
-        ]
+        agent = self.maker.agent_loop
+        if agent is not None:  # tool-using tasks are evaluated with their tools
+            samples, stats = agent.run(self.prompts, n, batch=-1, group_base=0, sampling=sampling)
+            if n == 1:
+                self.agent_metrics = stats.metrics("eval/agent", self.maker.rollout.num_engines)
+        else:
+            outs = self.maker.rollout.generate([p.token_ids for p in self.prompts], sampling)
+            samples = [
+                build_sample(p, c, group_id=i)
+                for i, (p, comps) in enumerate(zip(self.prompts, outs, strict=True))
+                for c in comps
+            ]
         flat = self.maker.rewards(samples, RolloutStats())
         return [flat[i * n : (i + 1) * n] for i in range(len(self.prompts))], [s.num_actions for s in samples]
 
@@ -70,5 +77,6 @@ class Evaluator:
             correct = [sum(x >= ok for x in s) for s in sampled]
             for k in sorted({1, n}):
                 metrics[f"eval/pass@{k}"] = math.fsum(pass_at_k(n, c, k) for c in correct) / len(correct)
+        metrics.update(self.agent_metrics)
         metrics["eval/time_s"] = time.perf_counter() - t0
         return metrics

@@ -22,6 +22,7 @@ from rlhf.rewards import Reward, RewardComponent, RewardFunctionError, non_finit
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rlhf.agents.loop import AgentLoop
     from rlhf.workers.group import ModelGroup
     from rlhf.workers.rollout_pool import RolloutPool
 
@@ -34,6 +35,7 @@ class RolloutStats:
     dropped_non_finite: int = 0
     overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
     reward_components: dict[str, float] = field(default_factory=dict)  # mean of each weighted part
+    agent: dict[str, float] = field(default_factory=dict)  # agent/* metrics of multi-turn rollouts
 
     def merge(self, other: RolloutStats) -> RolloutStats:
         """Counts of two generation rounds of one step (dynamic sampling)."""
@@ -52,6 +54,7 @@ class RolloutStats:
             reward_components={
                 k: mean(self.reward_components.get(k, 0.0), other.reward_components.get(k, 0.0)) for k in keys
             },
+            agent={**self.agent, **other.agent},
         )
 
 
@@ -85,36 +88,6 @@ def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
     )
 
 
-class _Trajectory:
-    """A multi-turn trajectory under construction (token lists grow turn by turn)."""
-
-    def __init__(self, prompt: Prompt, group_id: int, env):
-        self.prompt, self.group_id, self.env = prompt, group_id, env
-        n = len(prompt.token_ids)
-        self.ids, self.mask, self.lp = list(prompt.token_ids), [False] * n, [0.0] * n
-        self.done, self.env_reward, self.finish_reason = False, None, None
-        self.has_logprobs = True
-
-    def append(self, ids: list[int], logprobs: list[float] | None, action: bool) -> None:
-        self.ids += ids
-        self.mask += [action] * len(ids)
-        self.lp += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-        self.has_logprobs &= logprobs is not None or not action
-
-    def to_sample(self) -> Sample:
-        return Sample(
-            input_ids=torch.tensor(self.ids),
-            action_mask=torch.tensor(self.mask),
-            rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32) if self.has_logprobs else None,
-            group_id=self.group_id,
-            prompt=self.prompt.text,
-            prompt_len=len(self.prompt.token_ids),
-            env_reward=self.env_reward,
-            finish_reason=self.finish_reason,
-            info=dict(self.prompt.info),
-        )
-
-
 class ExperienceMaker:
     """Generates and scores experience. The engines and model groups are passed in.
 
@@ -140,6 +113,7 @@ class ExperienceMaker:
         self.cfg, self.tok, self.rollout = cfg, tokenizer, rollout
         self.actor, self.reference, self.critic, self.reward_model = actor, reference, critic, reward_model
         self.env_factory = env_factory
+        self._agent: tuple[Callable, AgentLoop] | None = None
         # A plain function (tests, scripts) is a one-component reward with the configured timeout.
         self.reward: Reward | None = (
             reward_fn
@@ -160,8 +134,10 @@ class ExperienceMaker:
         """
         n = self.cfg.rollout.n_samples_per_prompt
         base = step * len(prompts) if group_base is None else group_base
-        if self.env_factory is not None:
-            samples = self._generate_multi_turn(prompts, n, base)
+        agent: dict[str, float] = {}
+        if self.agent_loop is not None:
+            samples, astats = self.agent_loop.run(prompts, n, batch=base, group_base=base)
+            agent = astats.metrics("agent", self.rollout.num_engines)
         else:
             sampling = {**sampling_params(self.cfg.rollout, n), "seed": self.request_seed(base)}
             outs = self.rollout.generate([p.token_ids for p in prompts], sampling)
@@ -170,46 +146,44 @@ class ExperienceMaker:
                 for i, (p, comps) in enumerate(zip(prompts, outs, strict=True))
                 for c in comps
             ]
-        stats = RolloutStats(num_samples=len(samples))
+        stats = RolloutStats(num_samples=len(samples), agent=agent)
         stats.empty_responses = sum(s.num_actions == 0 for s in samples)
         stats.truncated = sum(s.finish_reason == "length" for s in samples)
         return samples, stats
+
+    @property
+    def agent_loop(self) -> AgentLoop | None:
+        """Runs the multi-turn trajectories (None: single-turn), built for the current ``env_factory``."""
+        if self.env_factory is None:
+            return None
+        if self._agent is None or self._agent[0] is not self.env_factory:
+            self._agent = (self.env_factory, self._agent_loop())
+        return self._agent[1]
+
+    def _agent_loop(self) -> AgentLoop:
+        from rlhf.agents.loop import AgentLoop
+
+        r, e = self.cfg.rollout, self.cfg.env
+        return AgentLoop(
+            self.rollout,
+            self.tok,
+            self.env_factory,
+            sampling_params(r, 1),
+            seed=self.cfg.train.seed,
+            max_turns=e.max_turns,
+            max_model_len=r.max_model_len,
+            max_observation_tokens=e.max_observation_tokens,
+            step_timeout_s=e.step_timeout_s,
+            max_concurrency=e.max_concurrency,
+            # the hf backend serves one call at a time: turn by turn is all it can do
+            lockstep=e.loop == "lockstep" or r.backend == "hf",
+            tools=getattr(self.env_factory, "tools", None),
+        )
 
     def request_seed(self, group_base: int, turn: int = 0) -> int:
         """Sampling seed of a generate call, a function of (train.seed, batch, turn) only: a run
         samples the same tokens whether its engines were restarted, resumed or run ahead."""
         return (self.cfg.train.seed * 1_000_003 + group_base * 1_009 + turn * 7_919) % (2**31 - 1)
-
-    def _generate_multi_turn(self, prompts: list[Prompt], n: int, base: int) -> list[Sample]:
-        """Alternate policy turns (mask 1) and environment observations (mask 0)."""
-        max_len = self.cfg.rollout.max_model_len
-        trajs = []
-        for i, p in enumerate(prompts):
-            for _ in range(n):
-                env = self.env_factory()
-                env.reset(p.text, dict(p.info))
-                trajs.append(_Trajectory(p, base + i, env))
-        for turn in range(self.cfg.env.max_turns):
-            sampling = {**sampling_params(self.cfg.rollout, 1), "seed": self.request_seed(base, turn)}
-            last_turn = turn == self.cfg.env.max_turns - 1
-            live = [t for t in trajs if not t.done and len(t.ids) < max_len - 1]
-            if not live:
-                break
-            outs = self.rollout.generate([t.ids for t in live], sampling)
-            for t, comps in zip(live, outs, strict=True):
-                c = comps[0]
-                t.append(c["token_ids"], c["logprobs"], action=True)
-                t.finish_reason = c.get("finish_reason")
-                res = t.env.step(self.tok.decode(c["token_ids"]))
-                obs = self.tok(res.observation, add_special_tokens=False)["input_ids"]
-                obs = obs[: self.cfg.env.max_observation_tokens]
-                # No observation after the last policy turn (nothing would answer it), nor one that
-                # leaves no room for another policy turn: either ends the trajectory.
-                if res.done or last_turn or len(obs) >= max_len - 1 - len(t.ids):
-                    t.done, t.env_reward = True, res.reward
-                    continue
-                t.append(obs, None, action=False)
-        return [t.to_sample() for t in trajs]
 
     def score(self, samples: list[Sample], stats: RolloutStats) -> list[Sample]:
         """:meth:`assign_rewards` then :meth:`score_models`; returns the samples kept."""
@@ -302,7 +276,12 @@ class ExperienceMaker:
         else:
             model_scores, parts = self.reward(
                 [s.prompt or "" for s in todo],
-                [self.tok.decode(s.input_ids[s.prompt_len or 0 :].tolist()) for s in todo],
+                [
+                    s.final_response
+                    if s.final_response is not None
+                    else self.tok.decode(s.input_ids[s.prompt_len or 0 :].tolist())
+                    for s in todo
+                ],
                 [s.info for s in todo],
             )
             if parts:  # one function too: reward/<fn> names what scored the run

@@ -338,6 +338,7 @@ class PPOTrainer:
             "rollout/dropped_non_finite": rstats.dropped_non_finite,
             "reward/overlong_penalty_mean": rstats.overlong_penalty_mean,
             **{f"reward/{k}": v for k, v in rstats.reward_components.items()},
+            **rstats.agent,
             # Multi-turn: tokens the environment inserted after the policy's first turn.
             "rollout/observation_tokens_mean": sum(len(s) - s.response_start - s.num_actions for s in samples)
             / len(samples),

@@ -81,16 +81,17 @@ class LoraRolloutEngine(RolloutEngine):
         version = self._stats["weight_version"] + 1 if version is None else int(version)
         path = write_adapter(self._dir / f"v{version}", dict(named_tensors), self._adapter_config)
         request = LoRARequest(f"policy-v{version}", version, str(path))
-        if self._loaded and self._loaded[-1].lora_int_id == version:  # the same version again (a retry)
-            self.llm.llm_engine.remove_lora(version)
-            self._loaded.pop()
-        if not self.llm.llm_engine.add_lora(request):
-            raise RolloutEngineError(f"vLLM refused the adapter of weight version {version} ({path})")
-        self._loaded.append(request)
-        while len(self._loaded) > self._keep:
-            old = self._loaded.popleft()
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        with self.batcher.exclusive():  # adapters change between engine steps only
+            if self._loaded and self._loaded[-1].lora_int_id == version:  # the same version again (a retry)
+                self.llm.llm_engine.remove_lora(version)
+                self._loaded.pop()
+            if not self.llm.llm_engine.add_lora(request):
+                raise RolloutEngineError(f"vLLM refused the adapter of weight version {version} ({path})")
+            self._loaded.append(request)
+            while len(self._loaded) > self._keep:
+                old = self._loaded.popleft()
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path, ignore_errors=True)
         self._count_update(t0, version)
 
     def loaded_versions(self) -> list[int]:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from rlhf.envvars import engine_env
+from rlhf.workers.continuous import ContinuousBatcher
 from rlhf.workers.errors import WorkerDied
 
 __all__ = [
@@ -214,6 +215,7 @@ def llm_kwargs(
 def sampling_params(sampling: Mapping[str, Any], *, seed: int | None, max_tokens: int) -> Any:
     """One prompt's ``vllm.SamplingParams`` for a ``check_sampling``-valid ``sampling``."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     given = {k: sampling[k] for k in _VLLM_SAMPLING_KEYS if sampling.get(k) is not None}
     return SamplingParams(
@@ -223,6 +225,8 @@ def sampling_params(sampling: Mapping[str, Any], *, seed: int | None, max_tokens
         logprobs=sampling.get("logprobs", 0),
         detokenize=False,
         flat_logprobs=True,
+        # one output per request, when it finishes (ContinuousBatcher waits for nothing else)
+        output_kind=RequestOutputKind.FINAL_ONLY,
         **given,
     )
 
@@ -325,8 +329,11 @@ class EngineCounters:
         return f"ok pid={os.getpid()}"
 
     def stats(self) -> dict[str, Any]:
-        """Counters and timings since start-up (``weight_version`` = last version loaded)."""
-        return dict(self._stats)
+        """Counters and timings since start-up (``weight_version`` = last version loaded;
+        ``busy_s``: time in engine steps, ``max_in_flight``: most requests batched at once)."""
+        batcher = getattr(self, "batcher", None)
+        extra = {} if batcher is None else {"busy_s": batcher.busy_s, "max_in_flight": batcher.max_in_flight}
+        return {**self._stats, **extra}
 
     def _count_generate(self, results: list[list[dict]], t0: float) -> None:
         s = self._stats
@@ -405,6 +412,7 @@ class RolloutEngine(EngineCounters):
         )
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
+        self.batcher = ContinuousBatcher(self.llm.llm_engine)
         self._start_counters("vllm", t0)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
@@ -424,7 +432,8 @@ class RolloutEngine(EngineCounters):
             for p, seed in zip(prompt_token_ids, seeds, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+        lora = self._lora_request()
+        outputs = self.batcher.run([(p, sp, lora) for p, sp in zip(prompts, params, strict=True)])
         results: list[list[dict]] = []
         for out in outputs:
             comps = []
@@ -455,8 +464,9 @@ class RolloutEngine(EngineCounters):
         """
         t0 = time.perf_counter()
         named_tensors = list(named_tensors)
-        self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
-        self._reset_prefix_cache()
+        with self.batcher.exclusive():
+            self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
+            self._reset_prefix_cache()
         self._count_update(t0, version)
 
     def _reset_prefix_cache(self) -> None:
@@ -475,6 +485,9 @@ class RolloutEngine(EngineCounters):
 
     def transfer_start(self) -> None:
         self._transfer_t0 = time.perf_counter()
+        # no request runs between start and finish (the transfer spans several calls)
+        self._transfer_exclusive = self.batcher.exclusive()
+        self._transfer_exclusive.__enter__()
         self.llm.collective_rpc("start_weight_update")
 
     def transfer_update(self, update_info: Any) -> None:
@@ -482,15 +495,20 @@ class RolloutEngine(EngineCounters):
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def transfer_finish(self) -> None:
-        self.llm.collective_rpc("finish_weight_update")
-        self._reset_prefix_cache()
+        try:
+            self.llm.collective_rpc("finish_weight_update")
+            self._reset_prefix_cache()
+        finally:
+            self._transfer_exclusive.__exit__(None, None, None)
         self._count_update(getattr(self, "_transfer_t0", time.perf_counter()), None)
 
     def sleep(self, level: int) -> None:
         """Free GPU memory while the trainer runs: level 1 offloads weights to CPU and drops the
         KV cache, level 2 drops both (the next weight sync refills them)."""
-        self.llm.sleep(level=level)
+        with self.batcher.exclusive():
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; None = all) after ``sleep``."""
-        self.llm.wake_up(tags)
+        with self.batcher.exclusive():
+            self.llm.wake_up(tags)

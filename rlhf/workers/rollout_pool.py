@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +25,8 @@ from rlhf.workers.rollout import (
 )
 
 log = logging.getLogger("rlhf")
+# Calls one engine actor serves at once (each waits in its own thread for its requests).
+MAX_CALLS_IN_FLIGHT = 256
 
 
 class RolloutPool:
@@ -94,6 +96,8 @@ class RolloutPool:
         self.weight_version = 0
         self._weights_ref: Any = None
         self._actor_cls = ray.remote(engine_cls)
+        # engines with a ContinuousBatcher serve calls concurrently; the hf backend is lockstep
+        self.concurrent = issubclass(engine_cls, RolloutEngine)
         self.engines = [self._create(i) for i in range(num_engines)]
         self._start_refs = [e.ping.remote() for e in self.engines]
         if wait:
@@ -138,6 +142,8 @@ class RolloutPool:
             # The pool does the restarting: it must re-sync weights before the engine serves again.
             "max_restarts": 0,
         }
+        if self.concurrent:  # a threaded actor: concurrent calls share engine steps (ContinuousBatcher)
+            opts["max_concurrency"] = MAX_CALLS_IN_FLIGHT
         if self.placement_group is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -242,6 +248,34 @@ class RolloutPool:
                     )
                 out.extend(shard)
         return out
+
+    # ------------------------------------------------------------ one turn at a time (agent loop)
+    def begin_calls(self) -> None:
+        """Start counting restarts anew (``rollout.max_restarts`` holds per agent-loop batch)."""
+        self.restarts_this_call = [0] * self.num_engines
+
+    def submit_turn(self, engine: int, prompt: list[int], sampling: Mapping[str, Any]) -> Any:
+        """One request (``n`` completions of ``prompt``) on engine ``engine``, without waiting:
+        the engine batches it with whatever else is in flight. Returns the ref for ``turn_result``."""
+        check_sampling(sampling)
+        validate_prompts([prompt], self.max_model_len)
+        return self.engines[engine].generate.remote([list(map(int, prompt))], dict(sampling))
+
+    def turn_result(self, engine: int, ref: Any, resubmit: Callable[[], Any]) -> dict:
+        """The first completion of a ``submit_turn`` request. A dead engine is restarted (weights
+        re-synced) and the request sent again with ``resubmit()`` (same seed: same tokens)."""
+        while True:
+            try:
+                return self._await(ref, self.call_timeout_s, f"engine {engine} to finish a turn")[0][0]
+            except RolloutEngineError:
+                raise
+            except Exception as e:
+                if not is_process_death(e):
+                    raise RolloutEngineError(
+                        f"rollout engine {engine} failed in a turn: {type(e).__name__}: {e}"
+                    ) from e
+                self._restart(engine, e)
+                ref = resubmit()
 
     def update_weights(
         self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Any

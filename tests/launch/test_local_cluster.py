@@ -104,6 +104,36 @@ def test_a_local_output_dir_the_nodes_do_not_share_is_refused(cluster):
     print(f"\nrefused in {time.perf_counter() - t0:.1f} s")
 
 
+# Ships a model dir that only the driver's disk has to the node with a private disk; prints
+# [what that node saw before, after, the driver's fingerprint].
+SHIP = """
+import json, sys
+import ray
+from rlhf.models.tiny import build_tiny_model
+from rlhf.workers import node_files as nf
+ray.init(address=sys.argv[1])
+path = str(build_tiny_model(sys.argv[2], arch="llama"))
+private = [n for n in nf.worker_nodes() if n[1] == sys.argv[3]]
+before = nf._on_nodes(private, nf._fingerprint, [(path,)], 60, "probe")[0]
+nf.ship_model_dirs([path], 120)
+after = nf._on_nodes(private, nf._fingerprint, [(path,)], 60, "probe")[0]
+print(json.dumps([before, after, nf._fingerprint(path)]))
+"""
+
+
+def test_a_model_dir_only_the_driver_has_is_shipped(cluster):
+    if not (cluster / "private").is_dir():
+        pytest.skip("no mount namespaces here (needs root): every node shares this disk")
+    address = (cluster / "address").read_text().strip()
+    proc = subprocess.run(
+        [sys.executable, "-c", SHIP, address, str(cluster / "private" / "model"), "127.0.0.5"],
+        env=_env(cluster), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after, driver = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert before is None and after == driver is not None
+
+
 def test_spread_job_on_s3_is_stopped_resubmitted_and_resumes(cluster, s3_uri):
     """strict_spread puts the 2 colocated actor+reference ranks (2 CPUs each) on two nodes and the
     engine on a third (a node with a private disk gets the tiny model shipped); checkpoints, metrics, logs
@@ -181,7 +211,7 @@ def _ended(cluster: Path, job_id: str) -> str:
         [str(Path(sys.executable).with_name("ray")), "job", "status", "--address", dashboard, job_id],
         env=_env(cluster), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in proc.stdout), "")
+    return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in proc.stdout + proc.stderr), "")
 
 
 def _where(cluster: Path) -> tuple[dict, dict]:

@@ -1,0 +1,281 @@
+"""The agent loop: trajectories that advance on their own.
+
+Each trajectory is generate -> environment -> generate ... on its own clock: when its turn comes
+back from the engine it goes to the environment (a thread of a pool of ``env.max_concurrency``,
+bounded by ``env.step_timeout_s``), and its next turn is submitted as soon as the observation is
+ready, while other trajectories are still generating. The engines batch whatever requests are in
+flight (``rlhf.workers.continuous``), so one slow tool holds back only its own trajectory.
+
+- Token-in/token-out: the policy's tokens are kept as sampled; observations come from the chat
+  template (``ChatDelta``) when the environment returns ``messages``.
+- All turns of a trajectory go to one engine (the engine of its prompt: its prefix cache holds
+  the conversation so far).
+- Seeds are a function of (train.seed, batch, trajectory, turn): the same tokens come back
+  whatever the order in which turns finish, after an engine restart or a resume.
+- Limits per trajectory: ``env.max_turns`` policy turns, ``rollout.max_model_len`` tokens in
+  all (a trajectory ends when the next observation leaves no room for another turn),
+  ``rollout.max_new_tokens`` per turn; tool results are cut at ``env.max_tool_output_chars``
+  and text observations at ``env.max_observation_tokens``.
+- ``env.loop=lockstep`` runs the same work turn by turn over the whole batch (every turn waits
+  for the slowest trajectory): the comparison point of ``bench/agent_loop.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf.agents.chat_delta import ChatDelta
+from rlhf.data.prompts import Prompt
+from rlhf.data.types import Sample
+from rlhf.envs.base import StepResult, ToolStats
+
+log = logging.getLogger("rlhf")
+
+__all__ = ["AgentLoop", "AgentStats", "trajectory_seed"]
+
+
+def trajectory_seed(seed: int, batch: int, trajectory: int, turn: int) -> int:
+    """Sampling seed of one turn of one trajectory."""
+    return (seed * 1_000_003 + batch * 1_009 + trajectory * 7_919 + turn * 104_729) % (2**31 - 1)
+
+
+@dataclass
+class AgentStats:
+    trajectories: int = 0
+    turns: int = 0
+    env_errors: int = 0  # env.step raised: the trajectory ends there
+    env_timeouts: int = 0  # env.step past env.step_timeout_s: the trajectory ends there
+    tools: ToolStats = field(default_factory=ToolStats)
+    wall_s: float = 0.0
+    engine_busy_s: float = 0.0  # summed over engines, from their step counters
+
+    def metrics(self, prefix: str = "agent", num_engines: int = 1) -> dict[str, float]:
+        n = max(self.trajectories, 1)
+        return {
+            f"{prefix}/turns_mean": self.turns / n,
+            f"{prefix}/tool_calls": float(self.tools.calls),
+            f"{prefix}/tool_errors": float(self.tools.errors),
+            f"{prefix}/tool_timeouts": float(self.tools.timeouts),
+            f"{prefix}/malformed_calls": float(self.tools.malformed),
+            f"{prefix}/tool_time_s": self.tools.time_s,
+            f"{prefix}/env_errors": float(self.env_errors + self.env_timeouts),
+            f"{prefix}/engine_busy_fraction": self.engine_busy_s / max(self.wall_s * num_engines, 1e-9),
+        }
+
+
+class _Trajectory:
+    def __init__(self, index: int, prompt: Prompt, group_id: int, engine: int, env: Any, ids: list[int]):
+        self.index, self.prompt, self.group_id, self.engine, self.env = index, prompt, group_id, engine, env
+        self.ids, self.mask, self.lp = list(ids), [False] * len(ids), [0.0] * len(ids)
+        self.prompt_len = len(ids)
+        self.turn, self.done, self.env_reward, self.finish_reason = 0, False, None, None
+        self.final_response: str | None = None
+        self.has_logprobs = True
+
+    def append(self, ids: list[int], logprobs: list[float] | None, action: bool) -> None:
+        self.ids += ids
+        self.mask += [action] * len(ids)
+        self.lp += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.has_logprobs &= logprobs is not None or not action
+
+    def to_sample(self) -> Sample:
+        return Sample(
+            input_ids=torch.tensor(self.ids),
+            action_mask=torch.tensor(self.mask),
+            rollout_logprobs=torch.tensor(self.lp, dtype=torch.float32) if self.has_logprobs else None,
+            group_id=self.group_id,
+            prompt=self.prompt.text,
+            prompt_len=self.prompt_len,
+            env_reward=self.env_reward,
+            finish_reason=self.finish_reason,
+            final_response=self.final_response,
+            turns=self.turn,
+            info=dict(self.prompt.info),
+        )
+
+
+class AgentLoop:
+    """Runs multi-turn trajectories on a ``RolloutPool`` (see the module docstring).
+
+    Args:
+        pool: the rollout engines (``submit_turn``/``turn_result``).
+        tokenizer: the policy's tokenizer (decodes turns; renders observations).
+        env_factory: a fresh environment per trajectory.
+        sampling: the engine sampling dict of one turn (``n`` is 1 here).
+        seed: ``train.seed``.
+        max_turns, max_model_len, max_observation_tokens, step_timeout_s, max_concurrency,
+        lockstep: ``env.*`` / ``rollout.*`` settings.
+        tools: tool schemas rendered into the prompt (``apply_chat_template(tools=...)``).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        tokenizer: Any,
+        env_factory: Callable[[], Any],
+        sampling: dict[str, Any],
+        seed: int,
+        max_turns: int,
+        max_model_len: int,
+        max_observation_tokens: int,
+        step_timeout_s: float,
+        max_concurrency: int,
+        lockstep: bool = False,
+        tools: list[dict] | None = None,
+    ):
+        self.pool, self.tok, self.env_factory = pool, tokenizer, env_factory
+        self.sampling = {**sampling, "n": 1}
+        self.seed, self.max_turns, self.max_len = seed, max_turns, max_model_len
+        self.max_obs, self.step_timeout_s, self.lockstep = max_observation_tokens, step_timeout_s, lockstep
+        self.threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rlhf-env")
+        self.delta = ChatDelta(tokenizer, tools) if getattr(tokenizer, "chat_template", None) else None
+        self.tools = tools
+
+    # ---------------------------------------------------------------- the run
+    def run(
+        self, prompts: list[Prompt], n: int, batch: int, group_base: int
+    ) -> tuple[list[Sample], AgentStats]:
+        """``n`` trajectories per prompt; their samples in (prompt, sample) order."""
+        t0, stats = time.perf_counter(), AgentStats()
+        busy0 = self._engine_busy()
+        trajs = self._start(prompts, n, group_base)
+        stats.trajectories = len(trajs)
+        self.pool.begin_calls()
+        if self.lockstep:
+            self._run_lockstep(trajs, batch, stats)
+        else:
+            self._run_independent(trajs, batch, stats)
+        stats.wall_s = time.perf_counter() - t0
+        stats.engine_busy_s = self._engine_busy() - busy0
+        stats.turns = sum(t.turn for t in trajs)
+        return [t.to_sample() for t in trajs], stats
+
+    def _start(self, prompts: list[Prompt], n: int, group_base: int) -> list[_Trajectory]:
+        trajs = []
+        for i, p in enumerate(prompts):
+            ids = (
+                self.delta.prompt(p.info["messages"]) if self.tools and "messages" in p.info else p.token_ids
+            )
+            for _ in range(n):
+                env = self.env_factory()
+                env.reset(p.text, dict(p.info))
+                trajs.append(_Trajectory(len(trajs), p, group_base + i, i % self.pool.num_engines, env, ids))
+        return trajs
+
+    def _submit(self, t: _Trajectory, batch: int) -> Any:
+        sampling = {**self.sampling, "seed": trajectory_seed(self.seed, batch, t.index, t.turn)}
+        return self.pool.submit_turn(t.engine, t.ids, sampling)
+
+    def _run_independent(self, trajs: list[_Trajectory], batch: int, stats: AgentStats) -> None:
+        import ray
+
+        gen: dict[Any, _Trajectory] = {self._submit(t, batch): t for t in trajs}
+        envs: dict[Future, tuple[_Trajectory, float]] = {}
+        while gen or envs:
+            ready, _ = (
+                ray.wait(list(gen), num_returns=len(gen), timeout=0.002 if envs else 0.05)
+                if gen
+                else ([], [])
+            )
+            for ref in ready:
+                t = gen.pop(ref)
+                comp = self.pool.turn_result(t.engine, ref, lambda t=t: self._submit(t, batch))
+                if self._after_generation(t, comp):
+                    envs[self.threads.submit(t.env.step, self._decode_turn(t, comp))] = (t, time.monotonic())
+            for fut, (t, started) in list(envs.items()):
+                if fut.done() or time.monotonic() - started > self.step_timeout_s:
+                    del envs[fut]
+                    if self._after_env(t, fut, stats):
+                        gen[self._submit(t, batch)] = t
+            if not ready and envs and not gen:
+                time.sleep(0.001)
+
+    def _run_lockstep(self, trajs: list[_Trajectory], batch: int, stats: AgentStats) -> None:
+        live = list(trajs)
+        while live:
+            refs = [(t, self._submit(t, batch)) for t in live]
+            comps = [
+                (t, self.pool.turn_result(t.engine, r, lambda t=t: self._submit(t, batch))) for t, r in refs
+            ]
+            stepping = [
+                (t, self.threads.submit(t.env.step, self._decode_turn(t, c)))
+                for t, c in comps
+                if self._after_generation(t, c)
+            ]
+            deadline = time.monotonic() + self.step_timeout_s
+            for _, fut in stepping:
+                while not fut.done() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            live = [t for t, fut in stepping if self._after_env(t, fut, stats)]
+
+    # ---------------------------------------------------------------- one trajectory's steps
+    def _decode_turn(self, t: _Trajectory, comp: dict) -> str:
+        text = self.tok.decode(comp["token_ids"], skip_special_tokens=True)
+        t.final_response = text
+        return text
+
+    def _after_generation(self, t: _Trajectory, comp: dict) -> bool:
+        """Append the turn; True if the environment should answer it."""
+        t.append(comp["token_ids"], comp["logprobs"], action=True)
+        t.turn += 1
+        t.finish_reason = comp.get("finish_reason")
+        ended = t.finish_reason == "length" or t.turn >= self.max_turns or len(t.ids) >= self.max_len - 1
+        if ended:
+            t.done = True
+            t.final_response = self.tok.decode(comp["token_ids"], skip_special_tokens=True)
+        return not ended
+
+    def _after_env(self, t: _Trajectory, fut: Future, stats: AgentStats) -> bool:
+        """Append the observation; True if the trajectory goes on."""
+        if not fut.done():
+            stats.env_timeouts += 1
+            log.warning(
+                "env.step of trajectory %d took over env.step_timeout_s=%g s: it ends there",
+                t.index,
+                self.step_timeout_s,
+            )
+            t.done = True
+            return False
+        try:
+            res: StepResult = fut.result()
+        except Exception as e:  # noqa: BLE001 - user code: reported, the run goes on
+            stats.env_errors += 1
+            log.warning(
+                "env.step of trajectory %d raised %s: %s; it ends there", t.index, type(e).__name__, e
+            )
+            t.done = True
+            return False
+        if res.tools is not None:
+            stats.tools.add(res.tools)
+        if res.done:
+            t.done, t.env_reward = True, res.reward
+            return False
+        obs = self._observation_tokens(res)
+        if len(obs) >= self.max_len - 1 - len(t.ids):
+            t.done = True  # no room for another policy turn
+            return False
+        t.append(obs, None, action=False)
+        return True
+
+    def _observation_tokens(self, res: StepResult) -> list[int]:
+        if res.messages is not None:
+            if self.delta is None:
+                raise ValueError("the environment returned messages but the tokenizer has no chat template")
+            return self.delta.observation(res.messages)  # bounded by env.max_tool_output_chars
+        return list(self.tok(res.observation, add_special_tokens=False)["input_ids"])[: self.max_obs]
+
+    def _engine_busy(self) -> float:
+        try:
+            return sum(float(s.get("busy_s", s.get("generate_s", 0.0))) for s in self.pool.stats())
+        except Exception:  # noqa: BLE001 - a metric only
+            return 0.0
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
