@@ -226,7 +226,8 @@ class AgentLoop:
         t.append(comp["token_ids"], comp["logprobs"], action=True)
         t.turn += 1
         t.finish_reason = comp.get("finish_reason")
-        ended = t.finish_reason == "length" or t.turn >= self.max_turns or len(t.ids) >= self.max_len - 1
+        # a turn cut at max_new_tokens still goes to the environment: it decides (e.g. a malformed call)
+        ended = t.turn >= self.max_turns or len(t.ids) >= self.max_len - 1
         if ended:
             t.done = True
             t.final_response = self.tok.decode(comp["token_ids"], skip_special_tokens=True)

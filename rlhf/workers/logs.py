@@ -61,6 +61,9 @@ ENGINE_NOISE = (
     "Model Runner V2 requires Triton",
     "is not found in LD_PRELOAD",
     "doesn't allow to use `torch.set_num_threads`",
+    # ContinuousBatcher hands LLMEngine.add_request token prompts, as LLM.generate did before 0.32;
+    # vLLM 0.32 announces a future renderer API for it
+    "Passing raw prompts to InputProcessor is deprecated",
     # our adapter directories carry no tokenizer: the base model's is the one in use
     "different tokenizers for different LoRAs",
 )
