@@ -5,7 +5,8 @@
 #   scripts/local_cluster.sh stop
 #
 # Node i gets its own loopback address (127.0.0.2, .3, ...; ray start --node-ip-address), its own
-# temp dir (nodes sharing one unpack a job's working_dir over each other) and free ports; each
+# temp dir (nodes sharing one unpack a job's working_dir over each other) and free ports (Ray's defaults
+# collide with any other Ray on the machine); each
 # runs in a session of its own, and `stop` kills exactly those sessions (never `ray stop`, which
 # would take down every Ray on the machine). State: $RLHF_CLUSTER_DIR (default /tmp/rlhf-cluster),
 # which also holds `address` (for cluster.address=), `dashboard` (for launch/submit.sh --address)
@@ -57,6 +58,11 @@ start() {
   for i in $(seq 0 $((nodes - 1))); do
     local ip="127.0.0.$((i + 2))" tmp="/tmp/rlhf-n$i-$$"  # short: Ray's socket paths must stay < 108 bytes
     local args=(--node-ip-address="$ip" --num-cpus="$cpus" --temp-dir="$tmp" --block --disable-usage-stats)
+    # Ray's fixed default ports (52365 for the dashboard agent, ...) collide with any other Ray on
+    # this machine (a test session's own): every node gets free ones
+    args+=(--dashboard-agent-listen-port="$(free_port)" --dashboard-agent-grpc-port="$(free_port)")
+    args+=(--runtime-env-agent-port="$(free_port)" --metrics-export-port="$(free_port)")
+    args+=(--node-manager-port="$(free_port)" --object-manager-port="$(free_port)")
     if [ "$i" -eq 0 ]; then
       args+=(--head --port="$port" --dashboard-host=127.0.0.2 --dashboard-port="$dash" --include-dashboard=true)
     else

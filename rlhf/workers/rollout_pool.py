@@ -195,6 +195,21 @@ class RolloutPool:
                 f"start or to load weights version {self.weight_version}: {type(e).__name__}: {e}"
             ) from e
 
+    def _result_or_restart(self, i: int, ref: Any, what: str) -> tuple[bool, Any]:
+        """``(True, result)`` of engine ``i``'s call, or ``(False, None)`` once a dead engine was
+        restarted (the caller sends the call again); any other failure raises."""
+        try:
+            return True, self._await(ref, self.call_timeout_s, f"engine {i} to finish {what}")
+        except RolloutEngineError:
+            raise
+        except Exception as e:
+            if not is_process_death(e):
+                raise RolloutEngineError(
+                    f"rollout engine {i} failed in {what}: {type(e).__name__}: {e}"
+                ) from e
+            self._restart(i, e)
+            return False, None
+
     def _call_all(self, method: str, args_per_engine: dict[int, tuple]) -> dict[int, Any]:
         """Call ``method`` on the given engines in parallel; restart dead ones and retry their call."""
 
@@ -204,16 +219,10 @@ class RolloutPool:
         while pending:
             retry: dict[int, Any] = {}
             for i, ref in pending.items():
-                try:
-                    results[i] = self._await(ref, self.call_timeout_s, f"engine {i} to finish {method}")
-                except RolloutEngineError:
-                    raise
-                except Exception as e:
-                    if not is_process_death(e):
-                        raise RolloutEngineError(
-                            f"rollout engine {i} failed in {method}: {type(e).__name__}: {e}"
-                        ) from e
-                    self._restart(i, e)
+                ok, result = self._result_or_restart(i, ref, method)
+                if ok:
+                    results[i] = result
+                else:
                     retry[i] = getattr(self.engines[i], method).remote(*args_per_engine[i])
             pending = retry
         return results
@@ -265,17 +274,10 @@ class RolloutPool:
         """The first completion of a ``submit_turn`` request. A dead engine is restarted (weights
         re-synced) and the request sent again with ``resubmit()`` (same seed: same tokens)."""
         while True:
-            try:
-                return self._await(ref, self.call_timeout_s, f"engine {engine} to finish a turn")[0][0]
-            except RolloutEngineError:
-                raise
-            except Exception as e:
-                if not is_process_death(e):
-                    raise RolloutEngineError(
-                        f"rollout engine {engine} failed in a turn: {type(e).__name__}: {e}"
-                    ) from e
-                self._restart(engine, e)
-                ref = resubmit()
+            ok, result = self._result_or_restart(engine, ref, "a turn")
+            if ok:
+                return result[0][0]
+            ref = resubmit()
 
     def update_weights(
         self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Any
