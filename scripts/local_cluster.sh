@@ -58,11 +58,9 @@ start() {
   for i in $(seq 0 $((nodes - 1))); do
     local ip="127.0.0.$((i + 2))" tmp="/tmp/rlhf-n$i-$$"  # short: Ray's socket paths must stay < 108 bytes
     local args=(--node-ip-address="$ip" --num-cpus="$cpus" --temp-dir="$tmp" --block --disable-usage-stats)
-    # Ray's fixed default ports (52365 for the dashboard agent, ...) collide with any other Ray on
-    # this machine (a test session's own): every node gets free ones
-    args+=(--dashboard-agent-listen-port="$(free_port)" --dashboard-agent-grpc-port="$(free_port)")
-    args+=(--runtime-env-agent-port="$(free_port)" --metrics-export-port="$(free_port)")
-    args+=(--node-manager-port="$(free_port)" --object-manager-port="$(free_port)")
+    # Ray's fixed dashboard-agent port (52365) collides with any other Ray on this machine (a
+    # test session's own): every node gets a free one
+    args+=(--dashboard-agent-listen-port="$(free_port)")
     if [ "$i" -eq 0 ]; then
       args+=(--head --port="$port" --dashboard-host=127.0.0.2 --dashboard-port="$dash" --include-dashboard=true)
     else
