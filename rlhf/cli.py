@@ -140,8 +140,9 @@ def run_summary(history: list[dict], output_dir: str | Path, wall_s: float) -> s
         ("metrics", "metrics.jsonl"),
         ("logs", "logs"),
     ):
-        if store.exists(rel):
-            lines.append(f"{label}: {redact(store.uri(rel))}")
+        if store.exists(rel):  # a path as the user gave it (relative stays relative)
+            where = redact(store.uri(rel)) if store.remote else str(Path(output_dir) / rel)
+            lines.append(f"{label}: {where}")
     return "\n".join(lines)
 
 
