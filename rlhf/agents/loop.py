@@ -136,7 +136,6 @@ class AgentLoop:
         self.max_obs, self.step_timeout_s, self.lockstep = max_observation_tokens, step_timeout_s, lockstep
         self.threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rlhf-env")
         self.delta = ChatDelta(tokenizer, tools) if getattr(tokenizer, "chat_template", None) else None
-        self.tools = tools
 
     # ---------------------------------------------------------------- the run
     def run(
@@ -160,13 +159,13 @@ class AgentLoop:
     def _start(self, prompts: list[Prompt], n: int, group_base: int) -> list[_Trajectory]:
         trajs = []
         for i, p in enumerate(prompts):
-            ids = (
-                self.delta.prompt(p.info["messages"]) if self.tools and "messages" in p.info else p.token_ids
-            )
             for _ in range(n):
                 env = self.env_factory()
                 env.reset(p.text, dict(p.info))
-                trajs.append(_Trajectory(len(trajs), p, group_base + i, i % self.pool.num_engines, env, ids))
+                # p.token_ids already hold the tool schemas (load_prompts(tools=...))
+                trajs.append(
+                    _Trajectory(len(trajs), p, group_base + i, i % self.pool.num_engines, env, p.token_ids)
+                )
         return trajs
 
     def _submit(self, t: _Trajectory, batch: int) -> Any:
