@@ -131,7 +131,7 @@ class AgentLoop:
         tools: list[dict] | None = None,
     ):
         self.pool, self.tok, self.env_factory = pool, tokenizer, env_factory
-        self.sampling = {**sampling, "n": 1}
+        self.sampling = self._sampling = {**sampling, "n": 1}
         self.seed, self.max_turns, self.max_len = seed, max_turns, max_model_len
         self.max_obs, self.step_timeout_s, self.lockstep = max_observation_tokens, step_timeout_s, lockstep
         self.threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rlhf-env")
@@ -139,10 +139,18 @@ class AgentLoop:
 
     # ---------------------------------------------------------------- the run
     def run(
-        self, prompts: list[Prompt], n: int, batch: int, group_base: int
+        self,
+        prompts: list[Prompt],
+        n: int,
+        batch: int,
+        group_base: int,
+        sampling: dict[str, Any] | None = None,
     ) -> tuple[list[Sample], AgentStats]:
-        """``n`` trajectories per prompt; their samples in (prompt, sample) order."""
+        """``n`` trajectories per prompt; their samples in (prompt, sample) order. ``sampling``
+        overrides the training sampling for this run (evaluation: greedy, its own token limit);
+        seeds still come from ``trajectory_seed``."""
         t0, stats = time.perf_counter(), AgentStats()
+        self._sampling = {**self.sampling, **(sampling or {}), "n": 1}
         busy0 = self._engine_busy()
         trajs = self._start(prompts, n, group_base)
         stats.trajectories = len(trajs)
@@ -169,7 +177,7 @@ class AgentLoop:
         return trajs
 
     def _submit(self, t: _Trajectory, batch: int) -> Any:
-        sampling = {**self.sampling, "seed": trajectory_seed(self.seed, batch, t.index, t.turn)}
+        sampling = {**self._sampling, "seed": trajectory_seed(self.seed, batch, t.index, t.turn)}
         return self.pool.submit_turn(t.engine, t.ids, sampling)
 
     def _run_independent(self, trajs: list[_Trajectory], batch: int, stats: AgentStats) -> None:

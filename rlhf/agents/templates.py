@@ -12,16 +12,19 @@ No whitespace control (``{%-``): every newline is written out, so none is eaten 
 
 from __future__ import annotations
 
-__all__ = ["CHATML_TOKENS", "CHATML_TOOLS", "LLAMA3_TOKENS", "LLAMA3_TOOLS"]
-
-CHATML_TOKENS = [
-    "<|im_start|>",
-    "<|im_end|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
+__all__ = [
+    "CHATML_SPECIAL",
+    "CHATML_TOKENS",
+    "CHATML_TOOL_TOKENS",
+    "CHATML_TOOLS",
+    "LLAMA3_TOKENS",
+    "LLAMA3_TOOLS",
 ]
+
+CHATML_SPECIAL = ["<|im_start|>", "<|im_end|>"]
+# Single tokens that are not special (as in Qwen2.5): decoding a turn keeps them for the parser.
+CHATML_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CHATML_TOKENS = CHATML_SPECIAL + CHATML_TOOL_TOKENS
 CHATML_TOOLS = (
     "{% if tools %}"
     "<|im_start|>system\n"

@@ -1,7 +1,10 @@
 """DAPO's reward shaping and batch filtering (Yu et al. 2025), as pure functions.
 
 - :func:`overlong_penalty`: a linear penalty over the last ``buffer_len`` tokens before the
-  generation limit, added to the score ("soft overlong punishment").
+  generation limit, added to the score ("soft overlong punishment"). Multi-turn: the limit
+  is per policy turn (``rollout.max_new_tokens``), so the length it is compared with is the
+  trajectory's longest policy turn (:func:`longest_turn`), not the sum over turns: ten short
+  tool calls are not "overlong"; one turn that ran into the limit is.
 - :func:`informative_samples`: which samples belong to a group whose scores are not all
   equal; a group where every sample scored the same has zero advantage under any group
   estimator and only dilutes the batch ("dynamic sampling" keeps generating until the batch
@@ -12,7 +15,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["informative_samples", "overlong_penalty"]
+__all__ = ["informative_samples", "longest_turn", "overlong_penalty"]
+
+
+def longest_turn(action_mask: torch.Tensor) -> int:
+    """Length of the longest run of policy tokens in one sample's ``[T]`` action mask (its
+    longest policy turn; a single-turn sample's whole response).
+
+    Args:
+        action_mask (torch.Tensor): ``[T]`` bool, True on tokens the policy sampled.
+    """
+    best = run = 0
+    for a in action_mask.tolist():
+        run = run + 1 if a else 0
+        best = max(best, run)
+    return best
 
 
 def overlong_penalty(
@@ -27,11 +44,11 @@ def overlong_penalty(
                 = -factor                                    beyond max_len
 
     i.e. ``min(-(len - expected) / buffer_len * factor, 0)`` as verl computes it, bounded
-    below by ``-factor`` (reached only by multi-turn samples, whose policy tokens over all
-    turns may exceed the per-turn limit).
+    below by ``-factor``.
 
     Args:
-        response_lengths (torch.Tensor): ``[B]`` number of policy (action) tokens per sample.
+        response_lengths (torch.Tensor): ``[B]`` policy tokens per sample (multi-turn: of its
+            longest turn, :func:`longest_turn`).
         max_len (int): the generation limit (``rollout.max_new_tokens``).
         buffer_len (int): length of the penalty ramp, ``1 <= buffer_len <= max_len``.
         penalty_factor (float): the penalty at ``max_len``. Default 1.0.

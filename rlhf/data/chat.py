@@ -4,7 +4,9 @@ Rows are read from JSONL. Errors name the file, the row and the field, and nothi
 dropped silently.
 
 - SFT: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (several assistant turns
-  allowed) or ``{"prompt": ..., "completion": ...}``. Loss is on assistant tokens only.
+  allowed) or ``{"prompt": ..., "completion": ...}``. Loss is on assistant tokens only. A row
+  may carry ``tools`` (OpenAI function schemas, as TRL's datasets do): tool-calling transcripts
+  (``tool`` messages are observations, not trained on) render with the template's tool prompt.
 - Preferences (DPO, RM): ``{"prompt": str | messages, "chosen": str, "rejected": str}``.
 """
 
@@ -63,17 +65,35 @@ def messages_field(value, where: str, field: str) -> list[dict]:
     return value
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], where: str = "row") -> Sample:
+def tools_field(value, where: str) -> list[dict] | None:
+    """A row's ``tools`` (as TRL's SFT datasets carry them): OpenAI function schemas, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(t, dict) and t.get("type") == "function" for t in value
+    ):
+        raise DataRowError(
+            f"{where}: field 'tools' must be a list of OpenAI function schemas "
+            '({"type": "function", "function": {"name": ..., "parameters": {...}}})'
+        )
+    return value
+
+
+def tokenize_conversation(
+    tokenizer, messages: list[dict], where: str = "row", tools: list[dict] | None = None
+) -> Sample:
     """Tokenize with the chat template; ``action_mask`` marks assistant-turn tokens.
 
     Each turn's tokens are the difference between the template rendered up to that turn and
     up to the turn before, so the mask follows the tokenizer's own template. A template that
     is not prefix-stable (re-renders earlier turns differently) is an error, not a guess.
+    ``tools`` (OpenAI function schemas) go to the template as ``apply_chat_template(tools=...)``:
+    a tool-calling transcript is rendered the way the agent loop renders it at rollout time.
     """
     ids: list[int] = []
     mask: list[bool] = []
     for i, m in enumerate(messages):
-        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        text = tokenizer.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False)
         full = tokenizer(text, add_special_tokens=False)["input_ids"]
         if full[: len(ids)] != ids:
             raise DataRowError(
@@ -86,7 +106,9 @@ def tokenize_conversation(tokenizer, messages: list[dict], where: str = "row") -
                 raise DataRowError(f"{where}: message {i} is an empty assistant turn")
             # The turn's role header is prompt, not target: mask only what follows it.
             header = (
-                tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                tokenizer.apply_chat_template(
+                    messages[:i], tools=tools, tokenize=False, add_generation_prompt=True
+                )
                 if i
                 else None
             )
@@ -192,7 +214,7 @@ def load_sft(
             ]
         else:
             raise DataRowError(f"{where}: missing field 'messages' (or 'prompt' and 'completion')")
-        s = tokenize_conversation(tokenizer, msgs, where)
+        s = tokenize_conversation(tokenizer, msgs, where, tools_field(row.get("tools"), where))
         if len(s) > max_len:
             if overlong == "skip":
                 skipped += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -72,7 +73,13 @@ QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 
 
 def build_tokenizer(
-    out_dir: str | os.PathLike, corpus: list[str] | None = None, style: Literal["word", "qwen2"] = "word"
+    out_dir: str | os.PathLike,
+    corpus: list[str] | None = None,
+    style: Literal["word", "qwen2"] = "word",
+    extra_special_tokens: Sequence[str] = (),
+    added_tokens: Sequence[str] = (),
+    eos_token: str = "<eos>",
+    chat_template: str = CHAT_TEMPLATE,
 ):
     """Train a tokenizer on ``corpus`` and save it as a HF fast tokenizer.
 
@@ -83,6 +90,12 @@ def build_tokenizer(
     characters ("count" -> c o u n t). With real merges, each corpus word is one token (with or
     without its leading space) and numbers are single digits, as in Qwen's own tokenizer.
 
+    ``extra_special_tokens`` (a chat template's markers, e.g. ``CHATML_TOKENS``) stay single
+    tokens that BPE never merges into; ``added_tokens`` are single tokens too but not special, so
+    decoding with ``skip_special_tokens`` keeps them (Qwen's ``<tool_call>``: the tool-call parser
+    reads it from the decoded turn); ``eos_token`` is the token that ends generation (ChatML
+    models end a turn with ``<|im_end|>``).
+
     Returns the tokenizer as ``AutoTokenizer`` loads it (pad/bos/eos set, chat template set).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -91,11 +104,12 @@ def build_tokenizer(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     corpus = corpus or default_corpus()
+    special = [*SPECIAL_TOKENS, *(t for t in extra_special_tokens if t not in SPECIAL_TOKENS)]
     if style == "word":
         tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-        trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1)
+        trainer = trainers.WordLevelTrainer(special_tokens=special, min_frequency=1)
         tok.train_from_iterator(corpus, trainer=trainer)
     else:
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -108,16 +122,20 @@ def build_tokenizer(
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=2000,
-            special_tokens=SPECIAL_TOKENS,
+            special_tokens=special,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             min_frequency=1,
         )
         # each word alone too, so that a word opening a text is one token as well
         tok.train_from_iterator([*corpus, *(w for text in corpus for w in text.split())], trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token=eos_token, unk_token="<unk>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if extra_special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out))
     return AutoTokenizer.from_pretrained(str(out))
 

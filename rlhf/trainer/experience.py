@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf.algorithms.shaping import overlong_penalty
+from rlhf.algorithms.shaping import longest_turn, overlong_penalty
 from rlhf.config.schema import PPOConfig, RolloutConfig
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
@@ -225,12 +225,13 @@ class ExperienceMaker:
         return samples
 
     def _overlong_shaping(self, samples: list[Sample]) -> list[float]:
-        """DAPO's overlong penalty per sample (0 when ``algorithm.overlong_buffer_frac=0``)."""
+        """DAPO's overlong penalty per sample (0 when ``algorithm.overlong_buffer_frac=0``), on its
+        longest policy turn: ``rollout.max_new_tokens`` limits each turn."""
         max_len = self.cfg.rollout.max_new_tokens
         buffer = self.cfg.algorithm.overlong_buffer_len(max_len)
         if buffer == 0 or not samples:
             return [0.0] * len(samples)
-        lengths = torch.tensor([s.num_actions for s in samples])
+        lengths = torch.tensor([longest_turn(s.action_mask) for s in samples])
         return overlong_penalty(lengths, max_len, buffer, self.cfg.algorithm.overlong_penalty).tolist()
 
     def score_models(self, samples: list[Sample], engines_busy: int = 0) -> list[Sample]:

@@ -66,3 +66,67 @@ def test_per_trajectory_equals_lockstep_and_overlaps_requests(pool, tok):
     m = stats.metrics("agent")
     assert m["agent/turns_mean"] == 3.0 and 0 < m["agent/engine_busy_fraction"] <= 1.0
     print(f"\nper-trajectory {stats.wall_s:.2f} s, lockstep {lstats.wall_s:.2f} s, max in flight {before}")
+
+
+def test_a_run_can_override_the_sampling_as_evaluation_does(pool, tok):
+    """The evaluator passes its own sampling (greedy, its token limit) to ``run``."""
+    prompts = [Prompt(f"count {i}", tok(f"count {i}")["input_ids"], {"index": i}) for i in range(4)]
+    loop = _loop(pool, tok, lockstep=False)
+    samples, _ = loop.run(prompts, 1, batch=-1, group_base=0, sampling={"max_tokens": 2, "temperature": 0.0})
+    again, _ = loop.run(prompts, 1, batch=-1, group_base=0, sampling={"max_tokens": 2, "temperature": 0.0})
+    for s in samples:  # every policy turn (a run of action tokens) is at most 2 tokens
+        runs = "".join("1" if a else "0" for a in s.action_mask.tolist()).split("0")
+        assert s.turns == 3 and max(len(r) for r in runs) <= 2
+    assert [s.input_ids.tolist() for s in samples] == [s.input_ids.tolist() for s in again]  # greedy
+    sampled, _ = loop.run(prompts, 1, batch=-1, group_base=0)
+    assert max(s.num_actions for s in sampled) > 6  # the loop's own limit (6 a turn) is back
+
+
+def test_agent_loop_bench_runs_both_workloads_in_both_modes(pool, tok):
+    """bench/agent_loop.py's measurement on this module's engine, tiny sizes: both modes do the
+    same work (same tokens) and report a rate and an idle fraction."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "agent_loop.py"
+    spec = importlib.util.spec_from_file_location("bench_agent_loop", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench._parse(["--trajectories", "6", "--repeats", "1", "--slow-ms", "150", "--equal-ms", "20"])
+    table = bench.measure(pool, tok, args)
+    assert set(table) == {"skewed", "equal"}
+    for row in table.values():
+        assert row["same_tokens"] == 1.0
+        assert row["lockstep"] > 0 and row["per_trajectory"] > 0 and 0 <= row["per_trajectory_idle"] <= 1
+
+
+def _readme_examples() -> dict:
+    """The README's custom tool and custom environment, executed as written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Agents and tools") :]
+    section = section[: section.index("\n## ", 1)]
+    scope: dict = {}
+    for block in section.split("```python\n")[1:]:
+        exec(block.split("```", 1)[0], scope)  # noqa: S102 - the README's own code
+    return scope
+
+
+def test_the_readme_tool_and_environment_run_in_the_loop(pool, tok):
+    from rlhf.agents.parser import ToolCall
+    from rlhf.agents.tool_env import ToolRunner
+
+    scope = _readme_examples()
+    from concurrent.futures import ThreadPoolExecutor
+
+    runner = ToolRunner({"weather": scope["weather"]}, 5.0, 100, ThreadPoolExecutor(1))
+    assert runner.call(ToolCall("weather", {"city": "Paris"}))[0] == "18 C"
+    assert runner.call(ToolCall("weather", {"town": "Paris"}))[0].startswith("error:")
+    prompts = [Prompt("guess", tok("count 1")["input_ids"], {"index": 0, "answer": "7"})]
+    loop = AgentLoop(
+        pool, tok, scope["Guess"], {"temperature": 1.0, "max_tokens": 4}, seed=7, max_turns=5,
+        max_model_len=256, max_observation_tokens=8, step_timeout_s=30, max_concurrency=4,
+    )  # fmt: skip
+    (s,), stats = loop.run(prompts, 1, batch=0, group_base=0)
+    assert s.turns == 3 and s.env_reward == 0.0  # a random model does not guess "7" in 3 tries

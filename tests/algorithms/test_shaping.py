@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlhf.algorithms.shaping import informative_samples, overlong_penalty
+from rlhf.algorithms.shaping import informative_samples, longest_turn, overlong_penalty
 
 
 def ref_verl_overlong(length: int, max_len: int, buffer: int, factor: float) -> float:
@@ -22,8 +22,17 @@ def test_overlong_penalty_matches_verl_for_every_length(max_len, buffer, factor)
 
 
 def test_overlong_penalty_is_bounded_beyond_the_limit():
-    # Multi-turn samples may hold more policy tokens than one turn's limit.
     assert overlong_penalty(torch.tensor([40]), 20, 4, 1.0).item() == -1.0
+
+
+def test_multi_turn_shaping_measures_the_longest_policy_turn():
+    # prompt, turn of 3, observation, turn of 5, observation, turn of 2: 10 policy tokens in all
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    assert longest_turn(mask) == 5 and longest_turn(torch.zeros(4, dtype=torch.bool)) == 0
+    assert longest_turn(torch.ones(7, dtype=torch.bool)) == 7  # single turn: the whole response
+    # per-turn limit 6 with a ramp of 2: the sum (10) would take the full penalty; the turns are
+    # within the limit and the longest (5) is one token into the ramp
+    assert overlong_penalty(torch.tensor([longest_turn(mask)]), 6, 2).item() == pytest.approx(-0.5)
 
 
 def test_overlong_penalty_rejects_a_bad_buffer():

@@ -53,6 +53,7 @@ def _write(path, rows):
         ({"prompt": "count 1", "completion": "  "}, "'completion' is empty"),
         ({"messages": [{"role": "user"}]}, r"messages\[0\]"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant tokens"),
+        ({"prompt": "count 1", "completion": "2", "tools": [{"name": "calc"}]}, "OpenAI function schemas"),
     ],
 )
 def test_sft_bad_rows_name_the_row(tok, tmp_path, row, msg):
@@ -95,3 +96,39 @@ def test_toy_sources(tok):
         start = c.response_start
         assert start == r.response_start
         assert c.input_ids[:start].tolist() == r.input_ids[:start].tolist()
+
+
+def test_sft_tool_transcript_renders_the_tool_prompt_and_trains_on_calls_only(tmp_path):
+    """A row with ``tools`` is tokenized as the template renders the whole conversation with
+    those tools (what the agent loop renders at rollout); tool results are not trained on."""
+    from rlhf.agents.templates import CHATML_SPECIAL, CHATML_TOOL_TOKENS, CHATML_TOOLS
+
+    tok = build_tokenizer(
+        tmp_path / "chatml",
+        style="qwen2",
+        extra_special_tokens=CHATML_SPECIAL,
+        added_tokens=CHATML_TOOL_TOKENS,
+        eos_token="<|im_end|>",
+        chat_template=CHATML_TOOLS,
+    )
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'
+    messages = [
+        {"role": "user", "content": "what is 12 * 34 ?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "408"},
+    ]
+    f = _write(tmp_path / "t.jsonl", [{"messages": messages, "tools": tools}])
+    (s,), _ = load_sft(f, tok, max_len=512)
+    whole = tok(tok.apply_chat_template(messages, tools=tools, tokenize=False), add_special_tokens=False)
+    assert s.input_ids.tolist() == whole["input_ids"]
+    assert "calculator" in tok.decode(
+        s.input_ids[: s.input_ids.tolist().index(tok.convert_tokens_to_ids("user"))]
+    )
+    trained = tok.decode(s.input_ids[s.action_mask], skip_special_tokens=False)
+    # the call and the answer (each with the template's end of turn), nothing else
+    assert trained == call + "<|im_end|>\n" + "408<|im_end|>\n"
+    # <tool_call> is one token that decoding keeps (the parser reads it); <|im_end|> is special
+    assert tok.decode(tok(call)["input_ids"], skip_special_tokens=True) == call
+    assert len(tok("<tool_call>", add_special_tokens=False)["input_ids"]) == 1

@@ -211,7 +211,9 @@ def _ended(cluster: Path, job_id: str) -> str:
         [str(Path(sys.executable).with_name("ray")), "job", "status", "--address", dashboard, job_id],
         env=_env(cluster), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in proc.stdout + proc.stderr), "")
+    # `ray job status` ends with "Job '...' succeeded" / "failed" / "was stopped" once the job ended
+    out = (proc.stdout + proc.stderr).lower()
+    return next((s.upper() for s in ("succeeded", "failed", "stopped") if s in out), "")
 
 
 def _where(cluster: Path) -> tuple[dict, dict]:
