@@ -17,7 +17,9 @@ pytestmark = pytest.mark.e2e
 
 def test_the_agent_demo_trains_with_the_tool_in_the_loop(tmp_path):
     out = tmp_path / "agent_demo"
-    cmd = [sys.executable, "-m", "rlhf.agent_demo", "--output-dir", str(out), "--sft-steps", "60"]
+    # a smaller model than the demo's (hidden 128 x 2 layers): SFT learns the call format in 80 steps
+    cmd = [sys.executable, "-m", "rlhf.agent_demo", "--output-dir", str(out), "--sft-steps", "80"]
+    cmd += ["--hidden", "128", "--layers", "2"]
     cmd += ["--rl-steps", "2", "--train-rows", "400", "--eval-rows", "16", "eval.every=2"]
     cmd += ["train.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", "train.tensorboard=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

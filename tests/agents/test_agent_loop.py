@@ -6,6 +6,7 @@ trajectory and turn, not on the order turns finish)."""
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import pytest
@@ -91,6 +92,7 @@ def test_agent_loop_bench_runs_both_workloads_in_both_modes(pool, tok):
     path = Path(__file__).resolve().parents[2] / "bench" / "agent_loop.py"
     spec = importlib.util.spec_from_file_location("bench_agent_loop", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
     args = bench._parse(["--trajectories", "6", "--repeats", "1", "--slow-ms", "150", "--equal-ms", "20"])
     table = bench.measure(pool, tok, args)

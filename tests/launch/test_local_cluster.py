@@ -134,67 +134,6 @@ def test_a_model_dir_only_the_driver_has_is_shipped(cluster):
     assert before is None and after == driver is not None
 
 
-def test_spread_job_on_s3_is_stopped_resubmitted_and_resumes(cluster, s3_uri):
-    """strict_spread puts the 2 colocated actor+reference ranks (2 CPUs each) on two nodes and the
-    engine on a third (a node with a private disk gets the tiny model shipped); checkpoints, metrics, logs
-    and the final model go to S3; `ray job stop` checkpoints and a resubmission resumes."""
-    from rlhf.storage import Store
-
-    store = Store(s3_uri)
-    job = (
-        *JOB,
-        "train.num_steps=20",  # ~1 s a step here: long enough to be stopped mid-run
-        "train.save_every=1",
-        "train.stop_grace_s=50",
-        f'train.output_dir="{s3_uri}"',  # quoted for Hydra
-    )
-    t0 = time.perf_counter()
-    sub = _submit(cluster, *job, wait=False)
-    assert sub.returncode == 0, sub.stdout + sub.stderr
-    job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
-    deadline = time.monotonic() + 400
-    while not (store.is_file("checkpoints/latest") and store.read_text("checkpoints/latest") >= "step_2"):
-        assert time.monotonic() < deadline and not _ended(cluster, job_id), _logs(cluster, job_id)[-3000:]
-        time.sleep(0.5)
-    env = _env(cluster)
-    dashboard = (cluster / "dashboard").read_text().strip()
-    stop = subprocess.run(
-        [str(Path(sys.executable).with_name("ray")), "job", "stop", "--address", dashboard, job_id],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert stop.returncode == 0, stop.stdout + stop.stderr
-    logs = _logs(cluster, job_id)
-    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+)", logs)
-    assert stopped, logs[-3000:]
-    step = int(stopped.group(1))
-    assert 2 <= step < 20 and store.read_text("checkpoints/latest") == f"step_{step}"
-    t_first = time.perf_counter() - t0
-    view = _where(cluster)  # the stopped job's actors, from Ray's own view
-    resumed = _submit(cluster, *job)
-    out = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, out[-4000:]
-    assert f"at step {step}" in out and "resumed from s3://***@" in out and "done: 20 steps" in out, out[
-        -3000:
-    ]
-    rows = [json.loads(x) for x in store.read_text("metrics.jsonl").splitlines()]
-    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 21))
-    files = store.list_files()
-    assert "final/model.safetensors" in files and "final/tokenizer.json" in files
-    ranks = [f for f in files if f.startswith("checkpoints/step_20/actor/") and "optim_states" in f]
-    assert len(ranks) == 2, files  # each rank's optimizer part, from two nodes
-    logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
-    assert {"actor", "reference", "engine"} <= logs_up, files
-    ips, where = view
-    assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
-    workers, engines = where["ModelWorker"], where["RolloutEngine"]
-    assert len(workers) == 4 and len(set(workers)) == 2 and all(workers.count(ip) == 2 for ip in set(workers))
-    assert len(engines) == 1 and engines[0] not in workers  # a node of its own
-    print(
-        f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}; stopped after step {step} "
-        f"at {t_first:.0f} s, resumed run {time.perf_counter() - t0 - t_first:.0f} s"
-    )
-
-
 def _logs(cluster: Path, job_id: str) -> str:
     dashboard = (cluster / "dashboard").read_text().strip()
     proc = subprocess.run(
@@ -240,35 +179,27 @@ print(json.dumps([[ips[a.node_id], a.pid, a.name] for a in list_actors(
 """
 
 
-def test_a_node_lost_during_a_checkpoint_save_is_recovered(cluster, s3_uri):
-    """Runs last (it takes a node down). A worker node that holds an actor rank is killed (its
-    raylet and workers: what a lost machine does) while that rank is writing its checkpoint part;
-    the run rebuilds on the three nodes left from the last complete checkpoint and finishes."""
-    from rlhf.storage import Store
+def _step(store) -> int:
+    """The step of ``checkpoints/latest`` (0 before the first save)."""
+    return (
+        int(store.read_text("checkpoints/latest").split("_")[1]) if store.is_file("checkpoints/latest") else 0
+    )
 
-    store = Store(s3_uri)
-    job = (
-        *JOB,
-        "train.num_steps=12",
-        "train.save_every=1",
-        f'train.output_dir="{s3_uri}"',
-    )  # quoted for Hydra
-    t0 = time.perf_counter()
-    sub = _submit(cluster, *job, wait=False)
-    assert sub.returncode == 0, sub.stdout + sub.stderr
-    job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
-    deadline = time.monotonic() + 400
-    while not store.is_file("checkpoints/latest"):  # step 1 saved: every rank is up
+
+def _wait_for_step(cluster: Path, store, job_id: str, step: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _step(store) < step:
         assert time.monotonic() < deadline and not _ended(cluster, job_id), _logs(cluster, job_id)[-3000:]
         time.sleep(0.5)
+
+
+def _kill_an_actor_node_during_a_save(cluster: Path, store) -> tuple[str, int, bool]:
+    """Kills the worker node (its raylet and workers: what a lost machine does) of an actor rank
+    while that rank writes its checkpoint part; returns (node ip, rank pid, `latest` not moved yet)."""
     dashboard = (cluster / "dashboard").read_text().strip()
     live = subprocess.run(
-        [sys.executable, "-c", LIVE_RANKS, dashboard],
-        env=_env(cluster),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        [sys.executable, "-c", LIVE_RANKS, dashboard], env=_env(cluster), capture_output=True, text=True, timeout=120
+    )  # fmt: skip
     assert live.returncode == 0, live.stderr[-2000:]
     ip, pid = next(
         (ip, pid) for ip, pid, _ in json.loads(live.stdout.strip().splitlines()[-1]) if ip != "127.0.0.2"
@@ -282,22 +213,78 @@ def test_a_node_lost_during_a_checkpoint_save_is_recovered(cluster, s3_uri):
     while not (staging.is_dir() and any("-actor-" in p.name for p in staging.iterdir())):
         assert time.monotonic() < deadline, "no checkpoint save seen in 300 s"
         time.sleep(0.005)
-    during_save = store.read_text("checkpoints/latest") == saved  # `latest` not moved yet
-    node = int(ip.rsplit(".", 1)[1]) - 2
-    sid = (cluster / f"node-{node}.sid").read_text().strip()
+    during_save = store.read_text("checkpoints/latest") == saved
+    sid = (cluster / f"node-{int(ip.rsplit('.', 1)[1]) - 2}.sid").read_text().strip()
     subprocess.run(["pkill", "-KILL", "-s", sid], check=False)
+    return ip, pid, during_save
+
+
+def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cluster, s3_uri):
+    """Runs last (it takes a node down). strict_spread puts the 2 colocated actor+reference ranks
+    (2 CPUs each) on two nodes and the engine on a third (a node with a private disk gets the tiny
+    model shipped); checkpoints, metrics, logs and the final model go to S3. `ray job stop`
+    checkpoints; the resubmitted job resumes, and when a worker node holding an actor rank is
+    killed while that rank writes its checkpoint part, the run rebuilds on the nodes left from the
+    last complete checkpoint and finishes with every step's metrics once."""
+    from rlhf.storage import Store
+
+    store = Store(s3_uri)
+    job = (
+        *JOB,
+        "train.num_steps=14",  # ~1 s a step here: long enough to be stopped, resumed and hit
+        "train.save_every=1",
+        "train.stop_grace_s=50",
+        f'train.output_dir="{s3_uri}"',  # quoted for Hydra
+    )
+    t0 = time.perf_counter()
+    sub = _submit(cluster, *job, wait=False)
+    assert sub.returncode == 0, sub.stdout + sub.stderr
+    job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
+    _wait_for_step(cluster, store, job_id, 2, 400)
+    env = _env(cluster)
+    dashboard = (cluster / "dashboard").read_text().strip()
+    stop = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "job", "stop", "--address", dashboard, job_id],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    logs = _logs(cluster, job_id)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+)", logs)
+    assert stopped, logs[-3000:]
+    step = int(stopped.group(1))
+    assert 2 <= step < 10 and _step(store) == step
+    t_first = time.perf_counter() - t0
+    ips, where = _where(cluster)  # the stopped job's actors, from Ray's own view
+    assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+    workers, engines = where["ModelWorker"], where["RolloutEngine"]
+    assert len(workers) == 4 and len(set(workers)) == 2 and all(workers.count(ip) == 2 for ip in set(workers))
+    assert len(engines) == 1 and engines[0] not in workers  # a node of its own
+
+    resub = _submit(cluster, *job, wait=False)
+    assert resub.returncode == 0, resub.stdout + resub.stderr
+    job_id = re.search(r"raysubmit_\w+", resub.stdout + resub.stderr).group(0)
+    _wait_for_step(cluster, store, job_id, step + 1, 400)  # resumed and saved: every rank is up
+    ip, pid, during_save = _kill_an_actor_node_during_a_save(cluster, store)
     t_kill = time.perf_counter() - t0
     deadline = time.monotonic() + 500
     while not (status := _ended(cluster, job_id)):
         assert time.monotonic() < deadline, _logs(cluster, job_id)[-4000:]
         time.sleep(2)
-    logs = _logs(cluster, job_id)
-    assert status == "SUCCEEDED", logs[-4000:]
-    assert "recovery 1 of 2" in logs and "done: 12 steps" in logs, logs[-4000:]
+    out = _logs(cluster, job_id)
+    assert status == "SUCCEEDED", out[-4000:]
+    assert f"at step {step}" in out and "resumed from s3://***@" in out, out[-3000:]
+    assert "recovery 1 of 2" in out and "done: 14 steps" in out, out[-4000:]
     rows = [json.loads(x) for x in store.read_text("metrics.jsonl").splitlines()]
-    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 13))
+    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 15))
+    files = store.list_files()
+    assert "final/model.safetensors" in files and "final/tokenizer.json" in files
+    ranks = [f for f in files if f.startswith("checkpoints/step_14/actor/") and "optim_states" in f]
+    assert len(ranks) == 2, files  # each rank's optimizer part
+    logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
+    assert {"actor", "reference", "engine"} <= logs_up, files
     print(
-        f"\nkilled node {ip} (actor rank pid {pid}) at {t_kill:.0f} s, during a save: {during_save}; "
-        f"recovered and done at {time.perf_counter() - t0:.0f} s; "
-        + re.search(r"a worker died: [^\n]*", logs).group(0)[:300]
+        f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}; stopped after step {step} "
+        f"at {t_first:.0f} s; resumed, then killed node {ip} (actor rank pid {pid}) at {t_kill:.0f} s, "
+        f"during a save: {during_save}; recovered and done at {time.perf_counter() - t0:.0f} s; "
+        + re.search(r"a worker died: [^\n]*", out).group(0)[:300]
     )
