@@ -141,32 +141,14 @@ def write_data(out: Path, train: list[dict], held_out: list[dict]) -> dict[str, 
 
 def plot(history: list[dict], path: Path) -> None:
     """Training reward per step, held-out accuracy and tool-call success per evaluation."""
-    import matplotlib
+    from rlhf.demo import plot as plot_progress
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def success(h: dict) -> float | None:
+        return tool_success(h, "eval/agent") if "eval/agent/tool_calls" in h else None
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(h["step"], h["reward/mean"]) for h in history if "reward/mean" in h]
-    ev = [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h]
-    ok = [(h["step"], tool_success(h, "eval/agent")) for h in history if "eval/agent/tool_calls" in h]
-    ax.plot(*zip(*train, strict=True), label="training reward (mean)", color="tab:blue", alpha=0.7)
-    ax.plot(*zip(*ev, strict=True), "o-", label="held-out greedy accuracy", color="tab:red")
-    if ok:
-        ax.plot(
-            *zip(*ok, strict=True), "s--", label="held-out tool-call success", color="tab:green", alpha=0.7
-        )
-    ax.set(
-        xlabel="GRPO step",
-        ylabel="rate",
-        ylim=(-0.02, 1.02),
-        title="calculator tool: RL after SFT warm start",
+    plot_progress(
+        history, path, "calculator tool: RL after SFT warm start", ("held-out tool-call success", success)
     )
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def tool_success(metrics: dict, prefix: str) -> float:
@@ -198,51 +180,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Build, SFT, GRPO with the tool; returns the summary numbers."""
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    import ray
-
-    from rlhf import ppo, sft
-    from rlhf.config import compose
+    from rlhf.demo import sft_then_grpo
 
     t0 = time.perf_counter()
     out = Path(args.output_dir)
     train, held_out = calc_rows(args.seed, args.train_rows, args.eval_rows)
     model = build_model(out, train, args.hidden, args.layers)
     files = write_data(out / "data", train, held_out)
-    sft_cfg = compose(
-        "sft",
-        [
-            f"model.path={model}",
-            f"data.path={files['sft']}",
-            "data.eval_size=0",
-            "data.max_len=256",
-            "train.epochs=1000",  # bounded by max_steps
-            f"train.max_steps={args.sft_steps}",
-            "train.batch_size=32",
-            "train.max_tokens_per_microbatch=4096",
-            f"train.output_dir={out / 'sft'}",
-            "train.tensorboard=false",
-            f"train.seed={args.seed}",
-        ],
+    history, t_sft = sft_then_grpo(
+        out,
+        [f"model.path={model}", "data.max_len=256", "train.max_tokens_per_microbatch=4096"],
+        ["experiment=calc_tool", *args.overrides],
+        files,
+        args,
     )
-    try:
-        sft.run(sft_cfg)
-        t_sft = time.perf_counter()
-        ppo_cfg = compose(
-            "ppo",
-            [
-                "experiment=calc_tool",
-                f"model.path={out / 'sft' / 'final'}",
-                f"data.prompts={files['train']}",
-                f"eval.prompts={files['eval']}",
-                f"train.num_steps={args.rl_steps}",
-                f"train.output_dir={out / 'grpo'}",
-                f"train.seed={args.seed}",
-                *args.overrides,
-            ],
-        )
-        history = ppo.run(ppo_cfg)
-    finally:
-        ray.shutdown()
     return _report(history, out, args, t0, t_sft)
 
 

@@ -45,27 +45,26 @@ def write_data(out: Path, seed: int) -> dict[str, Path]:
     return files
 
 
-def plot(history: list[dict], path: Path) -> None:
-    """Training reward per step and held-out accuracy per evaluation, one PNG."""
+def plot(
+    history: list[dict], path: Path, title: str = "count-next: RL after SFT warm start", third=None
+) -> None:
+    """Training reward per step and held-out accuracy per evaluation, one PNG; ``third`` is
+    ``(label, value_of(metrics) or None)`` for one more per-evaluation curve (default: pass@4)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    label, value = third or ("held-out pass@4", lambda h: h.get("eval/pass@4"))
     fig, ax = plt.subplots(figsize=(7, 4))
     train = [(h["step"], h["reward/mean"]) for h in history if "reward/mean" in h]
     ev = [(h["step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h]
+    extra = [(h["step"], v) for h in history if "eval/accuracy" in h and (v := value(h)) is not None]
     ax.plot(*zip(*train, strict=True), label="training reward (mean)", color="tab:blue", alpha=0.7)
     ax.plot(*zip(*ev, strict=True), "o-", label="held-out greedy accuracy", color="tab:red")
-    if any("eval/pass@4" in h for h in history):
-        pk = [(h["step"], h["eval/pass@4"]) for h in history if "eval/pass@4" in h]
-        ax.plot(*zip(*pk, strict=True), "s--", label="held-out pass@4", color="tab:orange", alpha=0.7)
-    ax.set(
-        xlabel="GRPO step",
-        ylabel="reward / accuracy",
-        ylim=(-0.02, 1.02),
-        title="count-next: RL after SFT warm start",
-    )
+    if extra:
+        ax.plot(*zip(*extra, strict=True), "s--", label=label, color="tab:orange", alpha=0.7)
+    ax.set(xlabel="GRPO step", ylabel="reward / rate", ylim=(-0.02, 1.02), title=title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -89,31 +88,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run both phases; returns the summary numbers."""
-    args = _parse(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+def sft_then_grpo(
+    out: Path, sft_overrides: list[str], grpo_overrides: list[str], files: dict[str, Path], args
+) -> tuple[list[dict], float]:
+    """The two phases both demos run: SFT on ``files["sft"]`` (``args.sft_steps`` steps, into
+    ``<out>/sft``), then GRPO from its final model on the train / held-out prompt files
+    (``args.rl_steps`` steps, into ``<out>/grpo``). Returns the GRPO history and when SFT ended."""
     import ray
 
     from rlhf import ppo, sft
     from rlhf.config import compose
 
-    t0 = time.perf_counter()
-    out = Path(args.output_dir)
-    files = write_data(out / "data", args.seed)
     sft_cfg = compose(
         "sft",
         [
             f"data.path={files['sft']}",
             "data.eval_size=0",
-            "data.max_len=32",
             "train.epochs=1000",  # bounded by max_steps
             f"train.max_steps={args.sft_steps}",
             "train.batch_size=32",
-            "train.max_tokens_per_microbatch=512",
             f"train.output_dir={out / 'sft'}",
             "train.tensorboard=false",
             f"train.seed={args.seed}",
+            *sft_overrides,
         ],
     )
     try:
@@ -122,19 +119,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ppo_cfg = compose(
             "ppo",
             [
-                "experiment=count_skill",
                 f"model.path={out / 'sft' / 'final'}",
                 f"data.prompts={files['train']}",
                 f"eval.prompts={files['eval']}",
                 f"train.num_steps={args.rl_steps}",
                 f"train.output_dir={out / 'grpo'}",
                 f"train.seed={args.seed}",
-                *args.overrides,
+                *grpo_overrides,
             ],
         )
-        history = ppo.run(ppo_cfg)
+        return ppo.run(ppo_cfg), t_sft
     finally:
         ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run both phases; returns the summary numbers."""
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+
+    t0 = time.perf_counter()
+    out = Path(args.output_dir)
+    files = write_data(out / "data", args.seed)
+    history, t_sft = sft_then_grpo(
+        out,
+        ["data.max_len=32", "train.max_tokens_per_microbatch=512"],
+        ["experiment=count_skill", *args.overrides],
+        files,
+        args,
+    )
     wall = time.perf_counter() - t0
     evals = [h for h in history if "eval/accuracy" in h]
     png = out / "progress.png"
