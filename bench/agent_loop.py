@@ -1,6 +1,6 @@
 """Agent rollouts in lockstep vs per trajectory: trajectories/s and engine idle fraction.
 
-Run: ``.venv/bin/python bench/agent_loop.py`` (about 2 minutes on 2 CPU cores; ``--help``).
+Run: ``.venv/bin/python bench/agent_loop.py`` (under a minute on 2 CPU cores; ``--help``).
 
 The same multi-turn work runs through ``rlhf.agents.loop.AgentLoop`` on one real vLLM CPU
 engine (continuously batched, ``rlhf.workers.continuous``), once with ``env.loop=lockstep``
