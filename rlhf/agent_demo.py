@@ -103,6 +103,11 @@ def build_model(out: Path, rows: list[dict], hidden: int, layers: int) -> Path:
     )
 
 
+def _prompt_rows(rows: list[dict]) -> list[dict]:
+    """RL prompt rows: the system and user turns of the transcript, and the answer to verify."""
+    return [{"prompt": transcript(r)[:2], "answer": r["answer"]} for r in rows]
+
+
 def write_data(out: Path, train: list[dict], held_out: list[dict]) -> dict[str, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -113,29 +118,8 @@ def write_data(out: Path, train: list[dict], held_out: list[dict]) -> dict[str, 
     files["sft"].write_text(
         "".join(json.dumps({"messages": transcript(r), "tools": tools}) + "\n" for r in train)
     )
-    as_prompt = [
-        {
-            "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["prompt"]}],
-            "answer": r["answer"],
-        }
-        for r in train
-    ]
-    pq.write_table(pa.Table.from_pylist(as_prompt), files["train"])
-    pq.write_table(
-        pa.Table.from_pylist(
-            [
-                {
-                    "prompt": [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": r["prompt"]},
-                    ],
-                    "answer": r["answer"],
-                }
-                for r in held_out
-            ]
-        ),
-        files["eval"],
-    )
+    pq.write_table(pa.Table.from_pylist(_prompt_rows(train)), files["train"])
+    pq.write_table(pa.Table.from_pylist(_prompt_rows(held_out)), files["eval"])
     return files
 
 

@@ -25,11 +25,12 @@ def longest_turn(action_mask: torch.Tensor) -> int:
     Args:
         action_mask (torch.Tensor): ``[T]`` bool, True on tokens the policy sampled.
     """
-    best = run = 0
-    for a in action_mask.tolist():
-        run = run + 1 if a else 0
-        best = max(best, run)
-    return best
+    if action_mask.numel() == 0:
+        return 0
+    count = torch.cumsum(action_mask.long(), 0)
+    # the count at the last non-policy token before each position; the run is what came since
+    before = torch.cummax(torch.where(action_mask.bool(), 0, count), 0).values
+    return int((count - before).max())
 
 
 def overlong_penalty(

@@ -51,3 +51,17 @@ def test_informative_samples_by_group():
     # order-independent: shuffle and compare
     perm = torch.tensor([5, 2, 7, 0, 6, 3, 1, 4])
     assert informative_samples(scores[perm], groups[perm]).tolist() == [expected[i] for i in perm.tolist()]
+
+
+def test_longest_turn_matches_a_plain_loop_on_random_masks():
+    def loop(mask):
+        best = run = 0
+        for a in mask.tolist():
+            run = run + 1 if a else 0
+            best = max(best, run)
+        return best
+
+    g = torch.Generator().manual_seed(0)
+    for n in [0, 1, 2, 5, 17, 64] * 20:
+        mask = torch.rand(n, generator=g) < 0.6
+        assert longest_turn(mask) == loop(mask)
