@@ -12,6 +12,7 @@ import time
 import pytest
 
 from rlhf.agents.loop import AgentLoop
+from rlhf.algorithms.shaping import longest_turn
 from rlhf.data.prompts import Prompt
 from rlhf.envs.base import StepResult, ToolStats
 from rlhf.workers.rollout import default_engine_env
@@ -76,8 +77,7 @@ def test_a_run_can_override_the_sampling_as_evaluation_does(pool, tok):
     samples, _ = loop.run(prompts, 1, batch=-1, group_base=0, sampling={"max_tokens": 2, "temperature": 0.0})
     again, _ = loop.run(prompts, 1, batch=-1, group_base=0, sampling={"max_tokens": 2, "temperature": 0.0})
     for s in samples:  # every policy turn (a run of action tokens) is at most 2 tokens
-        runs = "".join("1" if a else "0" for a in s.action_mask.tolist()).split("0")
-        assert s.turns == 3 and max(len(r) for r in runs) <= 2
+        assert s.turns == 3 and longest_turn(s.action_mask) <= 2
     assert [s.input_ids.tolist() for s in samples] == [s.input_ids.tolist() for s in again]  # greedy
     sampled, _ = loop.run(prompts, 1, batch=-1, group_base=0)
     assert max(s.num_actions for s in sampled) > 6  # the loop's own limit (6 a turn) is back
@@ -116,12 +116,12 @@ def _readme_examples() -> dict:
 
 
 def test_the_readme_tool_and_environment_run_in_the_loop(pool, tok):
+    from concurrent.futures import ThreadPoolExecutor
+
     from rlhf.agents.parser import ToolCall
     from rlhf.agents.tool_env import ToolRunner
 
     scope = _readme_examples()
-    from concurrent.futures import ThreadPoolExecutor
-
     runner = ToolRunner({"weather": scope["weather"]}, 5.0, 100, ThreadPoolExecutor(1))
     assert runner.call(ToolCall("weather", {"city": "Paris"}))[0] == "18 C"
     assert runner.call(ToolCall("weather", {"town": "Paris"}))[0].startswith("error:")
