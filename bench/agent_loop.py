@@ -56,6 +56,18 @@ class Workload:
     def equal(cls, n: int, turns: int, latency_s: float) -> Workload:
         return cls("equal", (turns,) * n, ((latency_s,) * turns,) * n)
 
+    def critical_paths(self, step_s: float, new_tokens: int) -> tuple[float, float]:
+        """Shortest possible wall time of one batch (lockstep, per trajectory): tool latencies
+        plus ``new_tokens`` engine steps of ``step_s`` per policy turn, everything else free.
+        Lockstep: every round waits for its slowest call; per trajectory: the longest trajectory."""
+        gen = new_tokens * step_s
+        rounds = max(self.turns) + 1  # the tool turns and the final answer
+        lockstep = sum(
+            max((lat[r] for lat in self.latency_s if len(lat) > r), default=0.0) for r in range(rounds)
+        )
+        per_traj = max(sum(lat) + (len(lat) + 1) * gen for lat in self.latency_s)
+        return lockstep + rounds * gen, per_traj
+
     def env_factory(self):
         work = self
 
@@ -101,6 +113,7 @@ def _run(pool, tok, prompts, work: Workload, lockstep: bool, new_tokens: int, re
         max_concurrency=len(prompts), lockstep=lockstep,
     )  # fmt: skip
     runs = []
+    steps0 = _engine_steps(pool)
     for batch in range(repeats):
         samples, stats = loop.run(prompts, 1, batch=batch, group_base=0)
         if stats.env_errors or [s.turns for s in samples] != [k + 1 for k in work.turns]:
@@ -109,12 +122,20 @@ def _run(pool, tok, prompts, work: Workload, lockstep: bool, new_tokens: int, re
     loop.close()
     wall = sum(s.wall_s for s, _ in runs)
     busy = sum(s.engine_busy_s for s, _ in runs)
-    return len(prompts) * repeats / wall, 1.0 - busy / wall, [ids for _, ids in runs]
+    step_s = busy / max(_engine_steps(pool) - steps0, 1)
+    return len(prompts) * repeats / wall, 1.0 - busy / wall, [ids for _, ids in runs], step_s
+
+
+def _engine_steps(pool) -> int:
+    return int(pool.stats()[0]["steps"])
 
 
 def measure(pool, tok, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Both workloads in both modes on ``pool``'s first engine; prints the table and returns
-    ``{workload: {"lockstep", "per_trajectory" (traj/s), "*_idle", "speedup", "same_tokens"}}``."""
+    ``{workload: {"lockstep", "per_trajectory" (traj/s), "*_idle", "speedup", "same_tokens",
+    "ideal_speedup"}}``; ``ideal_speedup``: the ratio of the two modes' critical paths
+    (``Workload.critical_paths`` at the engine step time measured in lockstep), the speed-up an
+    ideally efficient engine and driver would show on this workload."""
     from rlhf.data.prompts import Prompt
 
     n = args.trajectories
@@ -127,15 +148,23 @@ def measure(pool, tok, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     print(f"{'workload':<9}{'mode':<16}{'traj/s':>9}{'engine idle':>13}")
     table = {}
     for work in workloads:
-        row, ids = {}, {}
+        row, ids, step_s = {}, {}, {}
         for mode, lockstep in (("lockstep", True), ("per_trajectory", False)):
-            rate, idle, ids[mode] = _run(pool, tok, prompts, work, lockstep, args.new_tokens, args.repeats)
+            rate, idle, ids[mode], step_s[mode] = _run(
+                pool, tok, prompts, work, lockstep, args.new_tokens, args.repeats
+            )
             row[mode], row[f"{mode}_idle"] = rate, idle
-            print(f"{work.name:<9}{mode:<16}{rate:>9.2f}{idle:>12.0%}")
+            print(
+                f"{work.name:<9}{mode:<16}{rate:>9.2f}{idle:>12.0%}   ({step_s[mode] * 1e3:.1f} ms per engine step)"
+            )
+        lock_s, per_s = work.critical_paths(step_s["lockstep"], args.new_tokens)
         row["speedup"] = row["per_trajectory"] / row["lockstep"]
+        row["ideal_speedup"] = lock_s / per_s
         row["same_tokens"] = float(ids["lockstep"] == ids["per_trajectory"])
         print(
-            f"{work.name:<9}{'speed-up':<16}{row['speedup']:>8.2f}x   same tokens in both modes: {bool(row['same_tokens'])}"
+            f"{work.name:<9}{'speed-up':<16}{row['speedup']:>8.2f}x   ideal {row['ideal_speedup']:.2f}x "
+            f"(critical paths {lock_s:.2f} s vs {per_s:.2f} s a batch); same tokens in both modes: "
+            f"{bool(row['same_tokens'])}"
         )
         table[work.name] = row
     return table

@@ -2,6 +2,7 @@
 # A Ray cluster of several nodes on this one machine, for tests and for trying multi-node runs.
 #
 #   scripts/local_cluster.sh start [NODES] [CPUS_PER_NODE]   # default 3 nodes x 2 CPUs
+#   scripts/local_cluster.sh add [CPUS]      # one more worker node (e.g. replacing a lost one)
 #   scripts/local_cluster.sh stop
 #
 # Node i gets its own loopback address (127.0.0.2, .3, ...; ray start --node-ip-address), its own
@@ -13,8 +14,10 @@
 # and `env` (source it: the cluster's private auth token and RAY_ADDRESS). The job's `python` is
 # the one beside this script's ray. The nodes inherit this script's environment.
 #
-# RLHF_PRIVATE_DIR=DIR: the last node gets a disk of its own at DIR (an empty tmpfs in a mount
-# namespace of its own; needs root), to try what a cluster without a shared disk does there.
+# RLHF_HEAD_CPUS=N: the head's CPUs (default CPUS_PER_NODE; 0: a KubeRay-style head that runs only
+# drivers). RLHF_PRIVATE_DIR=DIR: the last node of `start` gets a disk of its own at DIR (an empty
+# tmpfs in a mount namespace of its own; needs root), to try what a cluster without a shared disk
+# does there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${RLHF_CLUSTER_DIR:-/tmp/rlhf-cluster}
@@ -40,6 +43,56 @@ stop() {
   echo "stopped the local cluster in $DIR"
 }
 
+# start_node INDEX CPUS PORT DASHBOARD_PORT [PRIVATE_DIR]: node INDEX at 127.0.0.(INDEX+2) (0 = the head)
+start_node() {
+  local i=$1 cpus=$2 port=$3 dash=$4 private=${5:-}
+  local ip="127.0.0.$((i + 2))" tmp="/tmp/rlhf-n$i-$$"  # short: Ray's socket paths must stay < 108 bytes
+  local args=(--node-ip-address="$ip" --num-cpus="$cpus" --temp-dir="$tmp" --block --disable-usage-stats)
+  # Ray's fixed dashboard-agent port (52365) collides with any other Ray on this machine (a
+  # test session's own): every node gets a free one
+  args+=(--dashboard-agent-listen-port="$(free_port)")
+  if [ "$i" -eq 0 ]; then
+    args+=(--head --port="$port" --dashboard-host=127.0.0.2 --dashboard-port="$dash" --include-dashboard=true)
+  else
+    args+=(--address="127.0.0.2:$port")
+  fi
+  if [ -n "$private" ]; then
+    mkdir -p "$private"
+    # unshare and sh exec: the pid stays setsid's, so `stop` still finds the session
+    setsid unshare --mount --propagation private sh -c 'mount -t tmpfs rlhf-private "$0" && exec "$@"' \
+      "$private" "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
+  else
+    setsid "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
+  fi
+  echo $! >"$DIR/node-$i.sid"  # setsid's child leads its own session: its pid is the session id
+}
+
+alive_nodes() { "$RAY" status --address="$1" 2>/dev/null | grep -c " node_" || true; }
+
+# add [CPUS]: the next free index joins the running cluster (a replacement for a lost node gets a
+# new address, as a new machine would)
+add() {
+  local cpus=${1:-2} address i=1
+  [ -f "$DIR/address" ] || { echo "no local cluster in $DIR: start one first" >&2; exit 1; }
+  address=$(cat "$DIR/address")
+  # shellcheck disable=SC1091
+  . "$DIR/env"
+  unset RAY_ADDRESS
+  export RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$RAY"):$PATH"
+  while [ -e "$DIR/node-$i.sid" ]; do i=$((i + 1)); done  # a lost node's file stays: new address
+  start_node "$i" "$cpus" "${address##*:}" 0
+  # `ray start` prints this once the raylet registered with the head
+  for _ in $(seq 1 120); do
+    grep -q "Ray runtime started" "$DIR/node-$i.log" 2>/dev/null && break
+    sleep 1
+  done
+  if ! grep -q "Ray runtime started" "$DIR/node-$i.log" 2>/dev/null; then
+    echo "node 127.0.0.$((i + 2)) did not join within 120 s; log: $DIR/node-$i.log" >&2
+    exit 1
+  fi
+  echo "node 127.0.0.$((i + 2)) (${cpus} CPUs) joined the local cluster at $address"
+}
+
 start() {
   local nodes=${1:-3} cpus=${2:-2}
   stop
@@ -56,25 +109,10 @@ start() {
   unset RAY_ADDRESS RAY_AUTH_TOKEN
   export RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$RAY"):$PATH"
   for i in $(seq 0 $((nodes - 1))); do
-    local ip="127.0.0.$((i + 2))" tmp="/tmp/rlhf-n$i-$$"  # short: Ray's socket paths must stay < 108 bytes
-    local args=(--node-ip-address="$ip" --num-cpus="$cpus" --temp-dir="$tmp" --block --disable-usage-stats)
-    # Ray's fixed dashboard-agent port (52365) collides with any other Ray on this machine (a
-    # test session's own): every node gets a free one
-    args+=(--dashboard-agent-listen-port="$(free_port)")
-    if [ "$i" -eq 0 ]; then
-      args+=(--head --port="$port" --dashboard-host=127.0.0.2 --dashboard-port="$dash" --include-dashboard=true)
-    else
-      args+=(--address="127.0.0.2:$port")
-    fi
-    if [ -n "${RLHF_PRIVATE_DIR:-}" ] && [ "$i" -gt 0 ] && [ "$i" -eq $((nodes - 1)) ]; then
-      mkdir -p "$RLHF_PRIVATE_DIR"
-      # unshare and sh exec: the pid stays setsid's, so `stop` still finds the session
-      setsid unshare --mount --propagation private sh -c 'mount -t tmpfs rlhf-private "$0" && exec "$@"' \
-        "$RLHF_PRIVATE_DIR" "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
-    else
-      setsid "$RAY" start "${args[@]}" >"$DIR/node-$i.log" 2>&1 &
-    fi
-    echo $! >"$DIR/node-$i.sid"  # setsid's child leads its own session: its pid is the session id
+    local node_cpus=$cpus private=""
+    [ "$i" -eq 0 ] && node_cpus=${RLHF_HEAD_CPUS:-$cpus}
+    [ -n "${RLHF_PRIVATE_DIR:-}" ] && [ "$i" -gt 0 ] && [ "$i" -eq $((nodes - 1)) ] && private=$RLHF_PRIVATE_DIR
+    start_node "$i" "$node_cpus" "$port" "$dash" "$private"
     if [ "$i" -eq 0 ]; then  # the others join the head: wait until it answers
       for _ in $(seq 1 120); do
         "$RAY" status --address="127.0.0.2:$port" >/dev/null 2>&1 && break
@@ -85,7 +123,7 @@ start() {
   echo "127.0.0.2:$port" >"$DIR/address"
   echo "http://127.0.0.2:$dash" >"$DIR/dashboard"
   for _ in $(seq 1 120); do
-    alive=$("$RAY" status --address="127.0.0.2:$port" 2>/dev/null | grep -c " node_" || true)
+    alive=$(alive_nodes "127.0.0.2:$port")
     [ "$alive" -ge "$nodes" ] && break
     sleep 1
   done
@@ -99,6 +137,7 @@ start() {
 
 case "${1:-}" in
   start) shift; start "$@" ;;
+  add) shift; add "$@" ;;
   stop) stop ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

@@ -23,6 +23,7 @@ flight (``rlhf.workers.continuous``), so one slow tool holds back only its own t
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,7 @@ from rlhf.data.types import Sample
 from rlhf.envs.base import StepResult, ToolStats
 
 log = logging.getLogger("rlhf")
+_IDLE_CHECK_S = 30.0  # with nothing reported for this long, look at the oldest engine call
 
 __all__ = ["AgentLoop", "AgentStats", "trajectory_seed"]
 
@@ -181,28 +183,52 @@ class AgentLoop:
         return self.pool.submit_turn(t.engine, t.ids, sampling)
 
     def _run_independent(self, trajs: list[_Trajectory], batch: int, stats: AgentStats) -> None:
-        import ray
+        # Event-driven: engine replies and env steps report on one queue as they finish, so a
+        # trajectory's next step starts at once (a poll, e.g. ray.wait with a timeout, would
+        # delay each turn of the slowest trajectory by up to its period).
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        gen: dict[Any, tuple[_Trajectory, float]] = {}  # engine ref -> (trajectory, submitted)
+        envs: dict[Future, tuple[_Trajectory, float]] = {}  # env step -> (trajectory, deadline)
 
-        gen: dict[Any, _Trajectory] = {self._submit(t, batch): t for t in trajs}
-        envs: dict[Future, tuple[_Trajectory, float]] = {}
+        def generate(t: _Trajectory) -> None:
+            ref = self._submit(t, batch)
+            gen[ref] = (t, time.monotonic())
+            ref.future().add_done_callback(lambda _, ref=ref: finished.put(ref))
+
+        def step_env(t: _Trajectory, comp: dict) -> None:
+            fut = self.threads.submit(t.env.step, self._decode_turn(t, comp))
+            envs[fut] = (t, time.monotonic() + self.step_timeout_s)
+            fut.add_done_callback(finished.put)
+
+        for t in trajs:
+            generate(t)
         while gen or envs:
-            ready, _ = (
-                ray.wait(list(gen), num_returns=len(gen), timeout=0.002 if envs else 0.05)
-                if gen
-                else ([], [])
-            )
-            for ref in ready:
-                t = gen.pop(ref)
-                comp = self.pool.turn_result(t.engine, ref, lambda t=t: self._submit(t, batch))
+            now = time.monotonic()
+            wake = min((d for _, d in envs.values()), default=now + _IDLE_CHECK_S)
+            try:
+                key = finished.get(timeout=max(wake - now, 0.0))
+            except queue.Empty:
+                key = self._overdue(gen, envs)
+                if key is None:
+                    continue
+            if key in gen:
+                t, _ = gen.pop(key)
+                comp = self.pool.turn_result(t.engine, key, lambda t=t: self._submit(t, batch))
                 if self._after_generation(t, comp):
-                    envs[self.threads.submit(t.env.step, self._decode_turn(t, comp))] = (t, time.monotonic())
-            for fut, (t, started) in list(envs.items()):
-                if fut.done() or time.monotonic() - started > self.step_timeout_s:
-                    del envs[fut]
-                    if self._after_env(t, fut, stats):
-                        gen[self._submit(t, batch)] = t
-            if not ready and envs and not gen:
-                time.sleep(0.001)
+                    step_env(t, comp)
+            elif key in envs:  # not already ended by its deadline
+                t, _ = envs.pop(key)
+                if self._after_env(t, key, stats):
+                    generate(t)
+
+    def _overdue(self, gen: dict, envs: dict) -> Any:
+        """Something to act on when nothing reported: an env step past its deadline (it ends as
+        a timeout); with no env step pending, an engine call silent for ``_IDLE_CHECK_S`` (a hung
+        engine: ``turn_result`` then waits at most the pool's call timeout)."""
+        now = time.monotonic()
+        if envs:
+            return next((f for f, (_, d) in envs.items() if d <= now), None)
+        return next((r for r, (_, t0) in gen.items() if now - t0 >= _IDLE_CHECK_S), None)
 
     def _run_lockstep(self, trajs: list[_Trajectory], batch: int, stats: AgentStats) -> None:
         live = list(trajs)

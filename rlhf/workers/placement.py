@@ -10,6 +10,7 @@ cluster, which is enough for a single machine and for tests.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 __all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources", "free_port"]
+
+log = logging.getLogger(__name__)
 
 
 def use_cpu_share(cpu_share: float) -> None:
@@ -70,34 +73,67 @@ def create_placement_group(
     if gpus_per_bundle > 0:
         bundle["GPU"] = float(gpus_per_bundle)
     pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy=strategy, name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    # Tell the user early when the cluster cannot grant it now (a node lost, an autoscaler adding
+    # one): the run then waits for nodes to join, up to timeout_s, instead of seeming to hang.
+    first = min(_WAIT_NOTICE_S, timeout_s)
+    ready, _ = ray.wait([pg.ready()], timeout=first)
+    if not ready:
+        log.warning(
+            "waiting up to %.0f s more (cluster.startup_timeout_s) for nodes with room for %s: %s",
+            timeout_s - first,
+            _describe_ask(num_bundles, bundle, strategy, name),
+            _cluster_now(),
+        )
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s - first)
     if not ready:
         state = placement_group_table(pg).get("state", "unknown")
         ray.util.remove_placement_group(pg)
-        dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
-        raise RuntimeError(
-            (
-                f"nodes {dead} died and no node with their resources joined within {timeout_s:.0f} s "
-                "(cluster.startup_timeout_s): bring them back or add nodes, or shrink the run to the nodes "
-                "left. "
-                if dead
-                else ""
-            )
-            + f"placement group of {num_bundles} bundles x {bundle} ({strategy}) not ready after "
-            f"{timeout_s:.0f}s (state {state}); the cluster has {describe_resources(ray.cluster_resources())} in "
-            f"total. Need CPU={num_bundles * cpus_per_bundle:g}, GPU={num_bundles * gpus_per_bundle:g}: "
-            "lower cluster.actor_ranks/critic_ranks/ref_ranks/reward_ranks or "
-            "cluster.cpus_per_worker/gpus_per_worker, raise cluster.num_cpus (local Ray), set "
-            "cluster.colocate=true to share bundles, or add nodes to the Ray cluster"
-            + (
-                f". {strategy} puts every bundle on a node of its own: it needs {num_bundles} nodes with room "
-                f"(the cluster has {len([n for n in ray.nodes() if n.get('Alive')])} alive); use "
-                "cluster.placement_strategy=spread (best effort) or pack"
-                if strategy == "STRICT_SPREAD" and num_bundles > 1
-                else ""
-            )
-        )
+        raise RuntimeError(_not_granted(num_bundles, bundle, strategy, timeout_s, state))
     return pg
+
+
+_WAIT_NOTICE_S = 10.0
+
+
+def _describe_ask(num_bundles: int, bundle: dict[str, float], strategy: str, name: str) -> str:
+    return f"placement group {name or '?'} of {num_bundles} bundles x {bundle} ({strategy})"
+
+
+def _cluster_now() -> str:
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
+    return (
+        f"{len(alive)} nodes alive, free {describe_resources(ray.available_resources())} of "
+        f"{describe_resources(ray.cluster_resources())}" + (f"; dead nodes {dead}" if dead else "")
+    )
+
+
+def _not_granted(
+    num_bundles: int, bundle: dict[str, float], strategy: str, timeout_s: float, state: str
+) -> str:
+    dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
+    return (
+        (
+            f"nodes {dead} died and no node with their resources joined within {timeout_s:.0f} s "
+            "(cluster.startup_timeout_s): bring them back or add nodes, or shrink the run to the nodes "
+            "left. "
+            if dead
+            else ""
+        )
+        + f"placement group of {num_bundles} bundles x {bundle} ({strategy}) not ready after "
+        f"{timeout_s:.0f}s (state {state}); the cluster has {describe_resources(ray.cluster_resources())} in "
+        f"total. Need CPU={num_bundles * bundle['CPU']:g}, GPU={num_bundles * bundle.get('GPU', 0.0):g}: "
+        "lower cluster.actor_ranks/critic_ranks/ref_ranks/reward_ranks or "
+        "cluster.cpus_per_worker/gpus_per_worker, raise cluster.num_cpus (local Ray), set "
+        "cluster.colocate=true to share bundles, or add nodes to the Ray cluster"
+        + (
+            f". {strategy} puts every bundle on a node of its own: it needs {num_bundles} nodes with room "
+            f"(the cluster has {len([n for n in ray.nodes() if n.get('Alive')])} alive); use "
+            "cluster.placement_strategy=spread (best effort) or pack"
+            if strategy == "STRICT_SPREAD" and num_bundles > 1
+            else ""
+        )
+    )
 
 
 def bundle_strategy(pg: PlacementGroup, bundle_index: int) -> PlacementGroupSchedulingStrategy:

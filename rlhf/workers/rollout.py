@@ -330,9 +330,14 @@ class EngineCounters:
 
     def stats(self) -> dict[str, Any]:
         """Counters and timings since start-up (``weight_version`` = last version loaded;
-        ``busy_s``: time in engine steps, ``max_in_flight``: most requests batched at once)."""
+        ``busy_s``: time in engine steps, ``steps``: their number, ``max_in_flight``: most requests
+        batched at once)."""
         batcher = getattr(self, "batcher", None)
-        extra = {} if batcher is None else {"busy_s": batcher.busy_s, "max_in_flight": batcher.max_in_flight}
+        extra = (
+            {}
+            if batcher is None
+            else {"busy_s": batcher.busy_s, "steps": batcher.steps, "max_in_flight": batcher.max_in_flight}
+        )
         return {**self._stats, **extra}
 
     def _count_generate(self, results: list[list[dict]], t0: float) -> None:

@@ -70,6 +70,37 @@ def test_per_trajectory_equals_lockstep_and_overlaps_requests(pool, tok):
     print(f"\nper-trajectory {stats.wall_s:.2f} s, lockstep {lstats.wall_s:.2f} s, max in flight {before}")
 
 
+class FaultyEnv:
+    """Trajectory 1 hangs past env.step_timeout_s, trajectory 2 raises, the others answer."""
+
+    def reset(self, prompt: str, info: dict) -> None:
+        self.index, self.turn = info["index"], 0
+
+    def step(self, response: str) -> StepResult:
+        self.turn += 1
+        if self.index == 1:
+            time.sleep(10)
+        if self.index == 2:
+            raise RuntimeError("tool crashed")
+        return StepResult(observation=" ok", done=self.turn >= 2)
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["per_trajectory", "lockstep"])
+def test_a_hanging_or_raising_env_ends_only_its_trajectory(pool, tok, lockstep):
+    loop = AgentLoop(
+        pool, tok, FaultyEnv, {"temperature": 1.0, "max_tokens": 4}, seed=7, max_turns=4, max_model_len=256,
+        max_observation_tokens=8, step_timeout_s=1.0, max_concurrency=8, lockstep=lockstep,
+    )  # fmt: skip
+    prompts = [Prompt(f"count {i}", tok(f"count {i}")["input_ids"], {"index": i}) for i in range(4)]
+    t0 = time.perf_counter()
+    samples, stats = loop.run(prompts, 1, batch=0, group_base=0)
+    wall = time.perf_counter() - t0
+    loop.close()
+    assert stats.env_timeouts == 1 and stats.env_errors == 1
+    assert [s.turns for s in samples] == [2, 1, 1, 2]  # the faulty ones end after their first turn
+    assert wall < 8, wall  # the hung step is given up at its deadline, not waited for (10 s)
+
+
 def test_a_run_can_override_the_sampling_as_evaluation_does(pool, tok):
     """The evaluator passes its own sampling (greedy, its token limit) to ``run``."""
     prompts = [Prompt(f"count {i}", tok(f"count {i}")["input_ids"], {"index": i}) for i in range(4)]
@@ -100,6 +131,13 @@ def test_agent_loop_bench_runs_both_workloads_in_both_modes(pool, tok):
     for row in table.values():
         assert row["same_tokens"] == 1.0
         assert row["lockstep"] > 0 and row["per_trajectory"] > 0 and 0 <= row["per_trajectory_idle"] <= 1
+        assert row["ideal_speedup"] > 0
+    # critical paths by hand: 2 tokens a turn at 10 ms a step; trajectory 0 has one 300 ms call,
+    # trajectory 1 two 10 ms calls. Lockstep: round 0 waits 300 ms, round 1 10 ms, round 2 (the
+    # last answer) none, plus 3 rounds x 20 ms. Per trajectory: 0.3 + 2 turns x 20 ms.
+    work = bench.Workload("hand", (1, 2), ((0.3,), (0.01, 0.01)))
+    lock_s, per_s = work.critical_paths(0.01, 2)
+    assert lock_s == pytest.approx(0.37) and per_s == pytest.approx(0.34)
 
 
 def _readme_examples() -> dict:

@@ -1,9 +1,10 @@
 """Several Ray nodes on one machine (scripts/local_cluster.sh: distinct loopback IPs, a temp dir
-per node, private token auth; the last of four has a disk of its own at PRIVATE), and GRPO jobs
-submitted with launch/submit.sh: ranks and engines spread over the nodes (checked from Ray's own
-view, the state API), outputs in a real S3-compatible server, `ray job stop` -> checkpoint ->
-resubmission resumes; a local output dir the last node cannot see is refused; a node lost during a
-checkpoint save is recovered on the three left."""
+per node, private token auth; a head with no CPUs, as on KubeRay, and three worker nodes, the last
+with a disk of its own at PRIVATE), and GRPO jobs submitted with launch/submit.sh: ranks and
+engines spread over the nodes (checked from Ray's own view, the state API), outputs in a real
+S3-compatible server, `ray job stop` -> checkpoint -> resubmission resumes; a local output dir the
+last node cannot see is refused; a node lost during a checkpoint save is recovered once a
+replacement node joins (the nodes left are too few)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def cluster() -> Iterator[Path]:
         # every process stages under PRIVATE: the last node's staging (and the tiny model the
         # driver builds there) is its own
         env["RLHF_STAGING_DIR"] = str(state / "private" / "staging")
+    env["RLHF_HEAD_CPUS"] = "0"  # the head runs drivers only: a lost worker node must be replaced
     start = subprocess.run(
         [str(SCRIPT), "start", "4", "2"], env=env, capture_output=True, text=True, timeout=300
     )
@@ -88,7 +90,7 @@ def _submit(cluster: Path, *overrides: str, wait: bool = True) -> subprocess.Com
 JOB = (
     "experiment=toy_count", "algorithm=grpo", "train.rollout_batch_size=4", "rollout.n_samples_per_prompt=2",
     "cluster.actor_ranks=2", "cluster.ref_ranks=2", "cluster.placement_strategy=strict_spread",
-    "train.tensorboard=false",
+    "cluster.cpus_per_engine=2", "train.tensorboard=false",
 )  # fmt: skip
 
 
@@ -153,6 +155,15 @@ def _ended(cluster: Path, job_id: str) -> str:
     # `ray job status` ends with "Job '...' succeeded" / "failed" / "was stopped" once the job ended
     out = (proc.stdout + proc.stderr).lower()
     return next((s.upper() for s in ("succeeded", "failed", "stopped") if s in out), "")
+
+
+def _wait_for_log(cluster: Path, job_id: str, pattern: str, timeout_s: float) -> str:
+    """The first line of the job's log matching ``pattern``, waiting for it up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (hit := re.search(pattern, logs := _logs(cluster, job_id))):
+        assert time.monotonic() < deadline and not _ended(cluster, job_id), logs[-4000:]
+        time.sleep(2)
+    return logs[hit.start() : logs.find("\n", hit.start())][:300]
 
 
 def _where(cluster: Path) -> tuple[dict, dict]:
@@ -221,11 +232,13 @@ def _kill_an_actor_node_during_a_save(cluster: Path, store) -> tuple[str, int, b
 
 def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cluster, s3_uri):
     """Runs last (it takes a node down). strict_spread puts the 2 colocated actor+reference ranks
-    (2 CPUs each) on two nodes and the engine on a third (a node with a private disk gets the tiny
-    model shipped); checkpoints, metrics, logs and the final model go to S3. `ray job stop`
-    checkpoints; the resubmitted job resumes, and when a worker node holding an actor rank is
-    killed while that rank writes its checkpoint part, the run rebuilds on the nodes left from the
-    last complete checkpoint and finishes with every step's metrics once."""
+    (2 CPUs each) on two nodes and the engine (2 CPUs) on the third: the three worker nodes are
+    full (a node with a private disk gets the tiny model shipped); checkpoints, metrics, logs and
+    the final model go to S3. `ray job stop` checkpoints; the resubmitted job resumes. A worker
+    node holding an actor rank is killed while that rank writes its checkpoint part: the two nodes
+    left cannot hold the run, so the recovery says it waits for nodes (cluster.startup_timeout_s);
+    a replacement node joins, and the run rebuilds there from the last complete checkpoint and
+    finishes with every step's metrics once."""
     from rlhf.storage import Store
 
     store = Store(s3_uri)
@@ -266,6 +279,15 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     _wait_for_step(cluster, store, job_id, step + 1, 400)  # resumed and saved: every rank is up
     ip, pid, during_save = _kill_an_actor_node_during_a_save(cluster, store)
     t_kill = time.perf_counter() - t0
+    # the run says that it waits for nodes (what a user sees); the pattern stops before the dead
+    # nodes: Ray may not have marked the lost node dead by then
+    waiting = _wait_for_log(cluster, job_id, r"waiting up to \d+ s more \(cluster.startup_timeout_s\)", 300)
+    t_waiting = time.perf_counter() - t0
+    add = subprocess.run(
+        [str(SCRIPT), "add", "2"], env=_env(cluster), capture_output=True, text=True, timeout=180
+    )
+    assert add.returncode == 0 and "127.0.0.6" in add.stdout, add.stdout + add.stderr
+    t_added = time.perf_counter() - t0
     deadline = time.monotonic() + 500
     while not (status := _ended(cluster, job_id)):
         assert time.monotonic() < deadline, _logs(cluster, job_id)[-4000:]
@@ -282,9 +304,12 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     assert len(ranks) == 2, files  # each rank's optimizer part
     logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
     assert {"actor", "reference", "engine"} <= logs_up, files
+    _, where = _where(cluster)  # every actor the jobs made, from Ray's own view
+    assert "127.0.0.6" in where["ModelWorker"] + where["RolloutEngine"], where  # the replacement was used
     print(
         f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}; stopped after step {step} "
         f"at {t_first:.0f} s; resumed, then killed node {ip} (actor rank pid {pid}) at {t_kill:.0f} s, "
-        f"during a save: {during_save}; recovered and done at {time.perf_counter() - t0:.0f} s; "
+        f"during a save: {during_save}; the recovery waited for nodes at {t_waiting:.0f} s ({waiting}); "
+        f"node 127.0.0.6 joined at {t_added:.0f} s; recovered and done at {time.perf_counter() - t0:.0f} s; "
         + re.search(r"a worker died: [^\n]*", out).group(0)[:300]
     )
