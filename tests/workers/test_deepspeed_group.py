@@ -353,9 +353,11 @@ def test_missing_resources_error_names_cluster_fields(ray_session, monkeypatch, 
 
     # the run says early that it waits for nodes (a lost one's replacement, an autoscaler), then gives up
     monkeypatch.setattr(placement, "_WAIT_NOTICE_S", 0.5)
-    with caplog.at_level("WARNING", logger="rlhf.workers.placement"):
-        with pytest.raises(RuntimeError, match="cluster.cpus_per_worker"):
-            create_placement_group(2, cpus_per_bundle=1000, gpus_per_bundle=0, timeout_s=1.5, name="big")
+    with (
+        caplog.at_level("WARNING", logger="rlhf.workers.placement"),
+        pytest.raises(RuntimeError, match="cluster.cpus_per_worker"),
+    ):
+        create_placement_group(2, cpus_per_bundle=1000, gpus_per_bundle=0, timeout_s=1.5, name="big")
     notice = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
     assert len(notice) == 1 and "placement group big of 2 bundles x {'CPU': 1000.0}" in notice[0], notice
     assert "1 nodes alive" in notice[0]
