@@ -67,6 +67,15 @@ start_node() {
   echo $! >"$DIR/node-$i.sid"  # setsid's child leads its own session: its pid is the session id
 }
 
+# The environment the nodes start in: this cluster's token (not one from the caller's env), no
+# RAY_ADDRESS (ray start takes --address), the ray beside this script on PATH.
+use_cluster_env() {
+  # shellcheck disable=SC1091
+  . "$DIR/env"
+  unset RAY_ADDRESS RAY_AUTH_TOKEN
+  export RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$RAY"):$PATH"
+}
+
 alive_nodes() { "$RAY" status --address="$1" 2>/dev/null | grep -c " node_" || true; }
 
 # add [CPUS]: the next free index joins the running cluster (a replacement for a lost node gets a
@@ -75,10 +84,7 @@ add() {
   local cpus=${1:-2} address i=1
   [ -f "$DIR/address" ] || { echo "no local cluster in $DIR: start one first" >&2; exit 1; }
   address=$(cat "$DIR/address")
-  # shellcheck disable=SC1091
-  . "$DIR/env"
-  unset RAY_ADDRESS
-  export RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$RAY"):$PATH"
+  use_cluster_env
   while [ -e "$DIR/node-$i.sid" ]; do i=$((i + 1)); done  # a lost node's file stays: new address
   start_node "$i" "$cpus" "${address##*:}" 0
   # `ray start` prints this once the raylet registered with the head
@@ -105,9 +111,7 @@ start() {
   python3 -c 'import secrets; print(secrets.token_hex(32))' >"$DIR/auth_token"
   chmod 600 "$DIR/auth_token"
   printf 'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=%s RAY_ADDRESS=%s\n' "$DIR/auth_token" "127.0.0.2:$port" >"$DIR/env"
-  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$DIR/auth_token"
-  unset RAY_ADDRESS RAY_AUTH_TOKEN
-  export RAY_USAGE_STATS_ENABLED=0 PATH="$(dirname "$RAY"):$PATH"
+  use_cluster_env
   for i in $(seq 0 $((nodes - 1))); do
     local node_cpus=$cpus private=""
     [ "$i" -eq 0 ] && node_cpus=${RLHF_HEAD_CPUS:-$cpus}

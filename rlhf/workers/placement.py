@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources", "free_port"]
 
 log = logging.getLogger(__name__)
+_WAIT_NOTICE_S = 10.0  # a placement group not granted by then is reported as waiting for nodes
 
 
 def use_cpu_share(cpu_share: float) -> None:
@@ -92,18 +93,23 @@ def create_placement_group(
     return pg
 
 
-_WAIT_NOTICE_S = 10.0
-
-
 def _describe_ask(num_bundles: int, bundle: dict[str, float], strategy: str, name: str) -> str:
     return f"placement group {name or '?'} of {num_bundles} bundles x {bundle} ({strategy})"
 
 
-def _cluster_now() -> str:
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
+def _node_health() -> tuple[int, list[str]]:
+    """(alive node count, addresses of the dead nodes) from one ``ray.nodes()``."""
+    nodes = ray.nodes()
     return (
-        f"{len(alive)} nodes alive, free {describe_resources(ray.available_resources())} of "
+        sum(1 for n in nodes if n.get("Alive")),
+        sorted({n["NodeManagerAddress"] for n in nodes if not n.get("Alive")}),
+    )
+
+
+def _cluster_now() -> str:
+    alive, dead = _node_health()
+    return (
+        f"{alive} nodes alive, free {describe_resources(ray.available_resources())} of "
         f"{describe_resources(ray.cluster_resources())}" + (f"; dead nodes {dead}" if dead else "")
     )
 
@@ -111,7 +117,7 @@ def _cluster_now() -> str:
 def _not_granted(
     num_bundles: int, bundle: dict[str, float], strategy: str, timeout_s: float, state: str
 ) -> str:
-    dead = sorted({n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")})
+    alive, dead = _node_health()
     return (
         (
             f"nodes {dead} died and no node with their resources joined within {timeout_s:.0f} s "
@@ -128,7 +134,7 @@ def _not_granted(
         "cluster.colocate=true to share bundles, or add nodes to the Ray cluster"
         + (
             f". {strategy} puts every bundle on a node of its own: it needs {num_bundles} nodes with room "
-            f"(the cluster has {len([n for n in ray.nodes() if n.get('Alive')])} alive); use "
+            f"(the cluster has {alive} alive); use "
             "cluster.placement_strategy=spread (best effort) or pack"
             if strategy == "STRICT_SPREAD" and num_bundles > 1
             else ""
