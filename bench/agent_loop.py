@@ -19,9 +19,9 @@ spent in steps) / wall time, from the engine's own step counter.
 
 Measured (2-core CI-like machine, 2026-12, tiny Llama hidden 128 x 2 layers, 32 trajectories,
 8 new tokens a turn; target >= 2x at the skewed setting, >= 1x at the equal one): skewed with
-10% slow calls 23.9 -> 46.0 traj/s, 1.92x (engine idle 62% -> 16%); with 20% slow 1.74x (72% ->
-12%); equal 0.96-1.14x over three runs. Per trajectory the engine is the bottleneck: turns
-arrive a few at a time, and many small CPU engine steps cost more than lockstep's large ones.
+10% slow calls 1.77-1.92x (latest 22.6 -> 39.9 traj/s, engine idle 61% -> 14%), ideal 1.49x
+(the critical paths' ratio: 2x is out of this workload's reach); with 20% slow 1.74x; equal
+0.96-1.15x. Per trajectory the engine is the bottleneck.
 """
 
 from __future__ import annotations
