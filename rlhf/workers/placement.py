@@ -83,13 +83,14 @@ def create_placement_group(
             "waiting up to %.0f s more (cluster.startup_timeout_s) for nodes with room for %s: %s",
             timeout_s - first,
             _describe_ask(num_bundles, bundle, strategy, name),
-            _cluster_now(),
+            _cluster_now(bundle),
         )
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s - first)
     if not ready:
         state = placement_group_table(pg).get("state", "unknown")
         ray.util.remove_placement_group(pg)
         raise RuntimeError(_not_granted(num_bundles, bundle, strategy, timeout_s, state))
+    _remember_node_sizes(ray.nodes())
     return pg
 
 
@@ -97,17 +98,35 @@ def _describe_ask(num_bundles: int, bundle: dict[str, float], strategy: str, nam
     return f"placement group {name or '?'} of {num_bundles} bundles x {bundle} ({strategy})"
 
 
-def _node_health() -> tuple[int, list[str]]:
-    """(alive node count, addresses of the dead nodes) from one ``ray.nodes()``."""
+_NODE_SIZES: dict[str, dict[str, float]] = {}  # node id -> total resources, seen while alive
+
+
+def _remember_node_sizes(nodes: list[dict]) -> None:
+    """Ray keeps no resources for a dead node: remember each live node's, to tell later whether
+    a node that died could have held what a placement group waits for."""
+    _NODE_SIZES.update({n["NodeID"]: n["Resources"] for n in nodes if n.get("Alive") and n.get("Resources")})
+
+
+def _node_health(bundle: dict[str, float]) -> tuple[int, list[str]]:
+    """(alive node count, addresses of the nodes this process saw alive, now dead, that could
+    have held a ``bundle``) from one ``ray.nodes()``. A dead node too small for a bundle, or
+    gone before this run placed anything, is not why a group waits: naming it would send the
+    user after the wrong thing."""
     nodes = ray.nodes()
+    _remember_node_sizes(nodes)
+
+    def could_hold(node: dict) -> bool:
+        total = _NODE_SIZES.get(node["NodeID"])
+        return total is not None and all(total.get(k, 0.0) >= v for k, v in bundle.items())
+
     return (
         sum(1 for n in nodes if n.get("Alive")),
-        sorted({n["NodeManagerAddress"] for n in nodes if not n.get("Alive")}),
+        sorted({n["NodeManagerAddress"] for n in nodes if not n.get("Alive") and could_hold(n)}),
     )
 
 
-def _cluster_now() -> str:
-    alive, dead = _node_health()
+def _cluster_now(bundle: dict[str, float]) -> str:
+    alive, dead = _node_health(bundle)
     return (
         f"{alive} nodes alive, free {describe_resources(ray.available_resources())} of "
         f"{describe_resources(ray.cluster_resources())}" + (f"; dead nodes {dead}" if dead else "")
@@ -117,7 +136,7 @@ def _cluster_now() -> str:
 def _not_granted(
     num_bundles: int, bundle: dict[str, float], strategy: str, timeout_s: float, state: str
 ) -> str:
-    alive, dead = _node_health()
+    alive, dead = _node_health(bundle)
     return (
         (
             f"nodes {dead} died and no node with their resources joined within {timeout_s:.0f} s "

@@ -4,7 +4,8 @@ with a disk of its own at PRIVATE), and GRPO jobs submitted with launch/submit.s
 engines spread over the nodes (checked from Ray's own view, the state API), outputs in a real
 S3-compatible server, `ray job stop` -> checkpoint -> resubmission resumes; a local output dir the
 last node cannot see is refused; a node lost during a checkpoint save is recovered once a
-replacement node joins (the nodes left are too few)."""
+replacement node joins (the nodes left are too few), a second one on the nodes left; a node that
+never comes back is named."""
 
 from __future__ import annotations
 
@@ -204,17 +205,23 @@ def _wait_for_step(cluster: Path, store, job_id: str, step: int, timeout_s: floa
         time.sleep(0.5)
 
 
-def _kill_an_actor_node_during_a_save(cluster: Path, store) -> tuple[str, int, bool]:
-    """Kills the worker node (its raylet and workers: what a lost machine does) of an actor rank
-    while that rank writes its checkpoint part; returns (node ip, rank pid, `latest` not moved yet)."""
+def _kill_an_actor_node_during_a_save(cluster: Path, store, spare: str = "") -> tuple[str, int, bool]:
+    """Kills the worker node (its raylet and workers: what a lost machine does) of an actor rank,
+    not the head nor ``spare``, while that rank writes its checkpoint part; returns (node ip,
+    rank pid, `latest` not moved yet)."""
     dashboard = (cluster / "dashboard").read_text().strip()
-    live = subprocess.run(
-        [sys.executable, "-c", LIVE_RANKS, dashboard], env=_env(cluster), capture_output=True, text=True, timeout=120
-    )  # fmt: skip
-    assert live.returncode == 0, live.stderr[-2000:]
-    ip, pid = next(
-        (ip, pid) for ip, pid, _ in json.loads(live.stdout.strip().splitlines()[-1]) if ip != "127.0.0.2"
-    )
+    deadline = time.monotonic() + 60  # the state API may list a rebuilt group's actors late
+    while True:
+        live = subprocess.run(
+            [sys.executable, "-c", LIVE_RANKS, dashboard], env=_env(cluster), capture_output=True, text=True, timeout=120
+        )  # fmt: skip
+        assert live.returncode == 0, live.stderr[-2000:]
+        ranks = json.loads(live.stdout.strip().splitlines()[-1])
+        if hit := [(ip, pid) for ip, pid, _ in ranks if ip not in ("127.0.0.2", spare)]:
+            break
+        assert time.monotonic() < deadline, f"no actor rank off the head and {spare!r} in 60 s: {ranks}"
+        time.sleep(1)
+    ip, pid = hit[0]
     # the rank's staging dir as its own node sees it (its mount namespace, through /proc)
     staging = Path(f"/proc/{pid}/root") / str(cluster / "private" / "staging" / "write")
     if not (cluster / "private").is_dir():
@@ -237,14 +244,17 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     the final model go to S3. `ray job stop` checkpoints; the resubmitted job resumes. A worker
     node holding an actor rank is killed while that rank writes its checkpoint part: the two nodes
     left cannot hold the run, so the recovery says it waits for nodes (cluster.startup_timeout_s);
-    a replacement node joins, and the run rebuilds there from the last complete checkpoint and
-    finishes with every step's metrics once."""
+    a replacement node with 4 CPUs joins, and the run rebuilds from the last complete checkpoint.
+    Then a second node with an actor rank is lost during a save: the nodes left (the replacement's
+    spare CPUs) suffice, and the run recovers on them with no node added. It finishes with every
+    step's metrics once."""
     from rlhf.storage import Store
 
     store = Store(s3_uri)
+    steps = 20
     job = (
         *JOB,
-        "train.num_steps=14",  # ~1 s a step here: long enough to be stopped, resumed and hit
+        f"train.num_steps={steps}",  # ~1 s a step here: long enough to be stopped, resumed and hit twice
         "train.save_every=1",
         "train.stop_grace_s=50",
         f'train.output_dir="{s3_uri}"',  # quoted for Hydra
@@ -265,7 +275,7 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+)", logs)
     assert stopped, logs[-3000:]
     step = int(stopped.group(1))
-    assert 2 <= step < 10 and _step(store) == step
+    assert 2 <= step < steps - 8 and _step(store) == step  # room for two losses after it
     t_first = time.perf_counter() - t0
     ips, where = _where(cluster)  # the stopped job's actors, from Ray's own view
     assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
@@ -284,10 +294,13 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     waiting = _wait_for_log(cluster, job_id, r"waiting up to \d+ s more \(cluster.startup_timeout_s\)", 300)
     t_waiting = time.perf_counter() - t0
     add = subprocess.run(
-        [str(SCRIPT), "add", "2"], env=_env(cluster), capture_output=True, text=True, timeout=180
+        [str(SCRIPT), "add", "4"], env=_env(cluster), capture_output=True, text=True, timeout=180
     )
     assert add.returncode == 0 and "127.0.0.6" in add.stdout, add.stdout + add.stderr
     t_added = time.perf_counter() - t0
+    _wait_for_step(cluster, store, job_id, _step(store) + 1, 400)  # recovered and saved
+    ip2, _, during_save2 = _kill_an_actor_node_during_a_save(cluster, store, spare="127.0.0.6")
+    t_kill2 = time.perf_counter() - t0
     deadline = time.monotonic() + 500
     while not (status := _ended(cluster, job_id)):
         assert time.monotonic() < deadline, _logs(cluster, job_id)[-4000:]
@@ -295,12 +308,18 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     out = _logs(cluster, job_id)
     assert status == "SUCCEEDED", out[-4000:]
     assert f"at step {step}" in out and "resumed from s3://***@" in out, out[-3000:]
-    assert "recovery 1 of 2" in out and "done: 14 steps" in out, out[-4000:]
+    story = "\n".join(  # the run's key lines, for a failure message
+        x[:300]
+        for x in out.splitlines()
+        if re.search(r"worker died|recovery|resum|workers started|waiting up", x)
+    )
+    assert "recovery 1 of 2" in out and "recovery 2 of 2" in out, story
+    assert f"done: {steps} steps" in out, out[-4000:]
     rows = [json.loads(x) for x in store.read_text("metrics.jsonl").splitlines()]
-    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, 15))
+    assert [r["step"] for r in rows if r["step"] > 0] == list(range(1, steps + 1))
     files = store.list_files()
     assert "final/model.safetensors" in files and "final/tokenizer.json" in files
-    ranks = [f for f in files if f.startswith("checkpoints/step_14/actor/") and "optim_states" in f]
+    ranks = [f for f in files if f.startswith(f"checkpoints/step_{steps}/actor/") and "optim_states" in f]
     assert len(ranks) == 2, files  # each rank's optimizer part
     logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
     assert {"actor", "reference", "engine"} <= logs_up, files
@@ -310,6 +329,57 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
         f"\nModelWorker nodes {sorted(workers)}, RolloutEngine node {engines}; stopped after step {step} "
         f"at {t_first:.0f} s; resumed, then killed node {ip} (actor rank pid {pid}) at {t_kill:.0f} s, "
         f"during a save: {during_save}; the recovery waited for nodes at {t_waiting:.0f} s ({waiting}); "
-        f"node 127.0.0.6 joined at {t_added:.0f} s; recovered and done at {time.perf_counter() - t0:.0f} s; "
+        f"node 127.0.0.6 joined at {t_added:.0f} s; recovered, then killed node {ip2} at {t_kill2:.0f} s, "
+        f"during a save: {during_save2}; recovered on the nodes left and done at {time.perf_counter() - t0:.0f} s; "
         + re.search(r"a worker died: [^\n]*", out).group(0)[:300]
     )
+
+
+# A driver that placed a group while the node at sys.argv[2] lived, then loses that node (kills
+# session sys.argv[3]: the node's raylet and workers) and asks for two groups the cluster cannot
+# grant; prints [seconds until Ray marked the node dead, error of an ask the dead node could have
+# held, error of one it could not].
+NEVER_BACK = """
+import json, subprocess, sys, time
+import ray
+from rlhf.workers.placement import create_placement_group
+ray.init(address=sys.argv[1])
+ray.util.remove_placement_group(create_placement_group(1, 1, 0, timeout_s=60, name="before"))
+subprocess.run(["pkill", "-KILL", "-s", sys.argv[3]], check=False)
+t0 = time.monotonic()
+while any(n["NodeManagerAddress"] == sys.argv[2] and n["Alive"] for n in ray.nodes()):
+    assert time.monotonic() - t0 < 120, "Ray did not mark the killed node dead in 120 s"
+    time.sleep(0.5)
+biggest = max(n["Resources"].get("CPU", 0) for n in ray.nodes())
+errors = []
+for n, cpus in ((sum(n["Alive"] for n in ray.nodes()) + 1, 1), (1, biggest + 1)):
+    try:
+        create_placement_group(n, cpus, 0, "STRICT_SPREAD", timeout_s=2, name="probe")
+    except RuntimeError as e:
+        errors.append(str(e))
+print(json.dumps([time.monotonic() - t0, *errors]))
+"""
+
+
+def test_a_node_that_does_not_come_back_is_named(cluster):
+    """A node with 1 CPU joins and is lost for good. An ask it could have held names it (what a
+    recovery that waited out cluster.startup_timeout_s says); an ask no node could hold (more
+    CPUs a bundle than any node has) blames only the resources."""
+    add = subprocess.run(
+        [str(SCRIPT), "add", "1"], env=_env(cluster), capture_output=True, text=True, timeout=180
+    )
+    assert add.returncode == 0, add.stdout + add.stderr
+    ip = re.search(r"node (127\.0\.0\.(\d+)) \(1 CPUs\) joined", add.stdout)
+    sid = (cluster / f"node-{int(ip.group(2)) - 2}.sid").read_text().strip()
+    address = (cluster / "address").read_text().strip()
+    proc = subprocess.run(
+        [sys.executable, "-c", NEVER_BACK, address, ip.group(1), sid],
+        env=_env(cluster), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dead_after, fits, too_big = json.loads(proc.stdout.strip().splitlines()[-1])
+    named = re.search(r"nodes \[([^\]]*)\] died and no node with their resources joined within 2 s", fits)
+    assert named and f"'{ip.group(1)}'" in named.group(1), fits
+    assert "cluster.startup_timeout_s" in fits and "add nodes" in fits
+    assert "died" not in too_big and "not ready after 2s" in too_big, too_big
+    print(f"\nnode {ip.group(1)} killed, marked dead after {dead_after:.0f} s; {fits[:160]}")
