@@ -73,7 +73,7 @@ def calculator_schemas() -> list[dict]:
     return [get_tool("calculator").schema()]
 
 
-def build_model(out: Path, rows: list[dict], hidden: int, layers: int, heads: int) -> Path:
+def build_model(out: Path, rows: list[dict], hidden: int, layers: int) -> Path:
     """A tokenizer trained on rendered transcripts (ChatML tool template) and a tiny Qwen2."""
     from rlhf.agents.templates import CHATML_SPECIAL, CHATML_TOOL_TOKENS, CHATML_TOOLS
     from rlhf.models.tiny import build_tiny_model, build_tokenizer
@@ -96,8 +96,8 @@ def build_model(out: Path, rows: list[dict], hidden: int, layers: int, heads: in
         arch="qwen2",
         hidden_size=hidden,
         num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=max(1, heads // 2),
+        num_heads=hidden // 64,
+        num_kv_heads=max(1, hidden // 128),
         intermediate_size=hidden * 2,
         tokenizer_dir=out / "tokenizer",
     )
@@ -155,7 +155,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-rows", type=int, default=100)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides of the GRPO phase")
     return p.parse_args(argv)
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
     out = Path(args.output_dir)
     train, held_out = calc_rows(args.seed, args.train_rows, args.eval_rows)
-    model = build_model(out, train, args.hidden, args.layers, args.heads)
+    model = build_model(out, train, args.hidden, args.layers)
     files = write_data(out / "data", train, held_out)
     history, t_sft = sft_then_grpo(
         out,
