@@ -205,6 +205,21 @@ def _wait_for_step(cluster: Path, store, job_id: str, step: int, timeout_s: floa
         time.sleep(0.5)
 
 
+def _node_session(cluster: Path, ip: str) -> str:
+    """The session id of the node at ``ip`` (its raylet and workers), from local_cluster.sh's files."""
+    return (cluster / f"node-{int(ip.rsplit('.', 1)[1]) - 2}.sid").read_text().strip()
+
+
+def _add_node(cluster: Path, cpus: int) -> str:
+    """``local_cluster.sh add CPUS``; returns the new node's IP."""
+    add = subprocess.run(
+        [str(SCRIPT), "add", str(cpus)], env=_env(cluster), capture_output=True, text=True, timeout=180
+    )
+    joined = re.search(rf"node (127\.0\.0\.\d+) \({cpus} CPUs\) joined", add.stdout)
+    assert add.returncode == 0 and joined, add.stdout + add.stderr
+    return joined.group(1)
+
+
 def _kill_an_actor_node_during_a_save(cluster: Path, store, spare: str = "") -> tuple[str, int, bool]:
     """Kills the worker node (its raylet and workers: what a lost machine does) of an actor rank,
     not the head nor ``spare``, while that rank writes its checkpoint part; returns (node ip,
@@ -232,8 +247,7 @@ def _kill_an_actor_node_during_a_save(cluster: Path, store, spare: str = "") -> 
         assert time.monotonic() < deadline, "no checkpoint save seen in 300 s"
         time.sleep(0.005)
     during_save = store.read_text("checkpoints/latest") == saved
-    sid = (cluster / f"node-{int(ip.rsplit('.', 1)[1]) - 2}.sid").read_text().strip()
-    subprocess.run(["pkill", "-KILL", "-s", sid], check=False)
+    subprocess.run(["pkill", "-KILL", "-s", _node_session(cluster, ip)], check=False)
     return ip, pid, during_save
 
 
@@ -293,10 +307,7 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     # nodes: Ray may not have marked the lost node dead by then
     waiting = _wait_for_log(cluster, job_id, r"waiting up to \d+ s more \(cluster.startup_timeout_s\)", 300)
     t_waiting = time.perf_counter() - t0
-    add = subprocess.run(
-        [str(SCRIPT), "add", "4"], env=_env(cluster), capture_output=True, text=True, timeout=180
-    )
-    assert add.returncode == 0 and "127.0.0.6" in add.stdout, add.stdout + add.stderr
+    assert _add_node(cluster, 4) == "127.0.0.6"
     t_added = time.perf_counter() - t0
     _wait_for_step(cluster, store, job_id, _step(store) + 1, 400)  # recovered and saved
     ip2, _, during_save2 = _kill_an_actor_node_during_a_save(cluster, store, spare="127.0.0.6")
@@ -365,21 +376,16 @@ def test_a_node_that_does_not_come_back_is_named(cluster):
     """A node with 1 CPU joins and is lost for good. An ask it could have held names it (what a
     recovery that waited out cluster.startup_timeout_s says); an ask no node could hold (more
     CPUs a bundle than any node has) blames only the resources."""
-    add = subprocess.run(
-        [str(SCRIPT), "add", "1"], env=_env(cluster), capture_output=True, text=True, timeout=180
-    )
-    assert add.returncode == 0, add.stdout + add.stderr
-    ip = re.search(r"node (127\.0\.0\.(\d+)) \(1 CPUs\) joined", add.stdout)
-    sid = (cluster / f"node-{int(ip.group(2)) - 2}.sid").read_text().strip()
+    ip = _add_node(cluster, 1)
     address = (cluster / "address").read_text().strip()
     proc = subprocess.run(
-        [sys.executable, "-c", NEVER_BACK, address, ip.group(1), sid],
+        [sys.executable, "-c", NEVER_BACK, address, ip, _node_session(cluster, ip)],
         env=_env(cluster), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     dead_after, fits, too_big = json.loads(proc.stdout.strip().splitlines()[-1])
     named = re.search(r"nodes \[([^\]]*)\] died and no node with their resources joined within 2 s", fits)
-    assert named and f"'{ip.group(1)}'" in named.group(1), fits
+    assert named and f"'{ip}'" in named.group(1), fits
     assert "cluster.startup_timeout_s" in fits and "add nodes" in fits
     assert "died" not in too_big and "not ready after 2s" in too_big, too_big
-    print(f"\nnode {ip.group(1)} killed, marked dead after {dead_after:.0f} s; {fits[:160]}")
+    print(f"\nnode {ip} killed, marked dead after {dead_after:.0f} s; {fits[:160]}")
