@@ -17,11 +17,13 @@ Both modes draw the same turns and latencies and sample the same tokens (seeds d
 trajectory and turn), so they do the same work. Engine idle fraction = 1 - (time the engine
 spent in steps) / wall time, from the engine's own step counter.
 
-Measured (2-core CI-like machine, 2026-12, tiny Llama hidden 128 x 2 layers, 32 trajectories,
-8 new tokens a turn; target >= 2x at the skewed setting, >= 1x at the equal one): skewed with
-10% slow calls 1.77-1.92x (latest 22.6 -> 39.9 traj/s, engine idle 61% -> 14%), ideal 1.49x
-(the critical paths' ratio: 2x is out of this workload's reach); with 20% slow 1.74x; equal
-0.96-1.15x. Per trajectory the engine is the bottleneck.
+Measured (2-core CI-like machine, 2026-12-05, tiny Llama hidden 128 x 2 layers, 8 new tokens a
+turn, most calls 10 ms and 10% of them 300 ms; target >= 2x at the skewed setting, >= 1x at the
+equal one), ``python bench/agent_loop.py``: 32 trajectories 1.80x (37.4 -> 67.3 traj/s, engine
+idle 80% -> 40%), 128 trajectories (the agent demo's batch, 16 prompts x 8) 2.06x (75.6 -> 155.5
+traj/s, idle 81% -> 29%); equal 1.06x. A sweep (``--slow-frac 0.05,0.1,0.2``) gave 1.69-1.93x at
+32 trajectories and 1.73-2.09x at 128. The ideal speed-up (critical paths) is 1.8-1.9x: one batch
+ends with its longest trajectory, so 2x is reached where lockstep also runs behind its own ideal.
 """
 
 from __future__ import annotations
@@ -50,11 +52,11 @@ class Workload:
         rng = random.Random(seed)
         turns = tuple(rng.randint(1, 4) for _ in range(n))
         lat = tuple(tuple(slow_s if rng.random() < slow_frac else fast_s for _ in range(k)) for k in turns)
-        return cls("skewed", turns, lat)
+        return cls(f"skewed n={n} slow={slow_frac:g}", turns, lat)
 
     @classmethod
     def equal(cls, n: int, turns: int, latency_s: float) -> Workload:
-        return cls("equal", (turns,) * n, ((latency_s,) * turns,) * n)
+        return cls(f"equal n={n}", (turns,) * n, ((latency_s,) * turns,) * n)
 
     def critical_paths(self, step_s: float, new_tokens: int) -> tuple[float, float]:
         """Shortest possible wall time of one batch (lockstep, per trajectory): tool latencies
@@ -92,16 +94,24 @@ class Workload:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trajectories", type=int, default=32)
+    p.add_argument("--trajectories", type=_ints, default=[32, 128], help="batch sizes, e.g. 32,128")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens per policy turn")
     p.add_argument("--fast-ms", type=float, default=10.0)
     p.add_argument("--slow-ms", type=float, default=300.0)
-    p.add_argument("--slow-frac", type=float, default=0.1)
+    p.add_argument("--slow-frac", type=_floats, default=[0.1], help="shares of slow calls, e.g. 0.05,0.1")
     p.add_argument("--equal-ms", type=float, default=50.0)
     p.add_argument("--equal-turns", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode (after 1 warm-up)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
 
 
 def _run(pool, tok, prompts, work: Workload, lockstep: bool, new_tokens: int, repeats: int):
@@ -130,39 +140,52 @@ def _engine_steps(pool) -> int:
     return int(pool.stats()[0]["steps"])
 
 
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    """A skewed workload per (batch size, slow share), then the equal one at the first batch size."""
+    skewed = [
+        Workload.skewed(n, args.fast_ms / 1e3, args.slow_ms / 1e3, frac, args.seed)
+        for n in args.trajectories
+        for frac in args.slow_frac
+    ]
+    return [*skewed, Workload.equal(args.trajectories[0], args.equal_turns, args.equal_ms / 1e3)]
+
+
 def measure(pool, tok, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Both workloads in both modes on ``pool``'s first engine; prints the table and returns
-    ``{workload: {"lockstep", "per_trajectory" (traj/s), "*_idle", "speedup", "same_tokens",
-    "ideal_speedup"}}``; ``ideal_speedup``: the ratio of the two modes' critical paths
-    (``Workload.critical_paths`` at the engine step time measured in lockstep), the speed-up an
-    ideally efficient engine and driver would show on this workload."""
+    """Every workload of :func:`workloads` in both modes on ``pool``'s first engine; prints the
+    table and returns ``{workload name: {"lockstep", "per_trajectory" (traj/s), "*_idle",
+    "speedup", "same_tokens", "ideal_speedup"}}``; ``ideal_speedup``: the ratio of the two modes'
+    critical paths (``Workload.critical_paths``, each at the engine step time measured in that
+    mode), the speed-up an ideally efficient engine and driver would show on this workload."""
     from rlhf.data.prompts import Prompt
 
-    n = args.trajectories
-    prompts = [Prompt(f"count {i}", tok(f"count {i}")["input_ids"], {"index": i}) for i in range(n)]
-    workloads = [
-        Workload.skewed(n, args.fast_ms / 1e3, args.slow_ms / 1e3, args.slow_frac, args.seed),
-        Workload.equal(n, args.equal_turns, args.equal_ms / 1e3),
-    ]
-    _run(pool, tok, prompts, workloads[0], False, args.new_tokens, 1)  # warm-up (compile, caches)
-    print(f"{'workload':<9}{'mode':<16}{'traj/s':>9}{'engine idle':>13}")
+    def prompts_for(work: Workload) -> list:
+        return [
+            Prompt(f"count {i}", tok(f"count {i}")["input_ids"], {"index": i}) for i in range(len(work.turns))
+        ]
+
+    works = workloads(args)
+    _run(pool, tok, prompts_for(works[0]), works[0], False, args.new_tokens, 1)  # warm-up (compile, caches)
+    width = max(len(w.name) for w in works) + 2
+    print(f"{'workload':<{width}}{'mode':<16}{'traj/s':>9}{'engine idle':>13}")
     table = {}
-    for work in workloads:
+    for work in works:
         row, ids, step_s = {}, {}, {}
         for mode, lockstep in (("lockstep", True), ("per_trajectory", False)):
             rate, idle, ids[mode], step_s[mode] = _run(
-                pool, tok, prompts, work, lockstep, args.new_tokens, args.repeats
+                pool, tok, prompts_for(work), work, lockstep, args.new_tokens, args.repeats
             )
             row[mode], row[f"{mode}_idle"] = rate, idle
             print(
-                f"{work.name:<9}{mode:<16}{rate:>9.2f}{idle:>12.0%}   ({step_s[mode] * 1e3:.1f} ms per engine step)"
+                f"{work.name:<{width}}{mode:<16}{rate:>9.2f}{idle:>12.0%}"
+                f"   ({step_s[mode] * 1e3:.1f} ms per engine step)"
             )
-        lock_s, per_s = work.critical_paths(step_s["lockstep"], args.new_tokens)
+        lock_s = work.critical_paths(step_s["lockstep"], args.new_tokens)[0]
+        per_s = work.critical_paths(step_s["per_trajectory"], args.new_tokens)[1]
         row["speedup"] = row["per_trajectory"] / row["lockstep"]
         row["ideal_speedup"] = lock_s / per_s
         row["same_tokens"] = float(ids["lockstep"] == ids["per_trajectory"])
         print(
-            f"{work.name:<9}{'speed-up':<16}{row['speedup']:>8.2f}x   ideal {row['ideal_speedup']:.2f}x "
+            f"{work.name:<{width}}{'speed-up':<16}{row['speedup']:>8.2f}x   ideal {row['ideal_speedup']:.2f}x "
             f"(critical paths {lock_s:.2f} s vs {per_s:.2f} s a batch); same tokens in both modes: "
             f"{bool(row['same_tokens'])}"
         )

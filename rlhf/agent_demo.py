@@ -1,6 +1,6 @@
 """The agent demo: RL teaches a tiny model to use a calculator tool.
 
-    python -m rlhf.agent_demo                          # ~10 min on 2 CPU cores
+    python -m rlhf.agent_demo                          # ~5 min on 2 CPU cores
     python -m rlhf.agent_demo --rl-steps 80 --output-dir runs/agent_demo2
 
 Task: ``"what is 473 * 281 ?"`` -> ``132913``. A random-init tiny model cannot multiply two
@@ -20,9 +20,23 @@ read the ``<tool_response>`` and state the result. The job
    accuracy (and the tool-call counts of that pass) before the first step and every 10 steps;
 5. ends with a plot (``<out>/progress.png``) and a summary.
 
-Measured (2-core CI-like machine, 2026-12, defaults): held-out greedy accuracy 69% after the
-SFT warm start -> 86% after 40 GRPO steps (100 held-out products), tool-call success 100% ->
-100%, 548 s wall (model + SFT 183 s).
+Measured (2-core CI-like machine, 2026-12-05, defaults): held-out greedy accuracy 67% after the
+SFT warm start -> 85% after 40 GRPO steps (100 held-out products), tool-call success 99% ->
+100%, 300 s wall (model + SFT 122 s). Short of +30 points or 90%; what stops it, from greedy
+answers per product length on the same held-out set:
+
+- Every wrong answer after RL is a 5-digit product (14 of the 100; 6-digit 85/86 right): the
+  model copies the tool's result at the distance it learned on 6-digit results (``67626`` ->
+  ``66762``). RL moves that one copy distance towards the length most of its prompts have,
+  instead of learning both. From a longer warm start (300 SFT steps, ``train.lr_schedule=cosine``:
+  91%, 5-digit 10/14, 6-digit 81/86), 40 GRPO steps end at (5-digit, 6-digit right):
+  ``actor_lr`` 3e-4: 85% (0/14, 85/86); 1e-4: 86% (0/14, 86/86); 1e-4 on prompts 50/50 by
+  length: 73% (14/14, 59/86); 1e-4, ``kl_coef`` 0.05, 30/70 prompts: 81% (14/14, 67/86);
+  5e-5, ``kl_coef`` 0.1: 89% (10/14, 79/86), held by the KL term but no gain. A warm start
+  balanced 50/50 by length (140 steps) gives 69% and GRPO does not raise it (68%).
+- ``--min-factor 317`` (6-digit products only) leaves RL nothing to do: the warm start alone
+  reaches 100% (140 SFT steps) or 99% (90; 97% after GRPO) but 3% at 80, and GRPO from 3% gets
+  no reward in 40 steps: the copy is learned abruptly between 80 and 90 SFT steps.
 """
 
 from __future__ import annotations
@@ -39,12 +53,14 @@ log = logging.getLogger("rlhf")
 SYSTEM = "Use the calculator for arithmetic."
 
 
-def calc_rows(seed: int, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
-    """``{"prompt", "answer"}`` rows: products of two 3-digit numbers; no pair in both splits."""
+def calc_rows(seed: int, n_train: int, n_eval: int, low: int = 100) -> tuple[list[dict], list[dict]]:
+    """``{"prompt", "answer"}`` rows: products of two 3-digit numbers from ``low`` to 999; no pair
+    in both splits. From 100 about 17% of the products have 5 digits, the rest 6; from 317
+    (317 * 317 = 100489) all have 6 (see the module docstring for what that changes)."""
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
     while len(pairs) < n_train + n_eval:
-        pairs.add((rng.randint(100, 999), rng.randint(100, 999)))
+        pairs.add((rng.randint(low, 999), rng.randint(low, 999)))
     rows = [
         {"prompt": f"what is {a} * {b} ?", "answer": str(a * b), "expression": f"{a} * {b}"} for a, b in pairs
     ]
@@ -155,6 +171,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-rows", type=int, default=100)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--min-factor", type=int, default=100, help="smallest factor (317: 6-digit products only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides of the GRPO phase")
     return p.parse_args(argv)
@@ -168,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     t0 = time.perf_counter()
     out = Path(args.output_dir)
-    train, held_out = calc_rows(args.seed, args.train_rows, args.eval_rows)
+    if not 100 <= args.min_factor <= 999:
+        raise ValueError(f"--min-factor must be a 3-digit number (100..999), got {args.min_factor}")
+    train, held_out = calc_rows(args.seed, args.train_rows, args.eval_rows, args.min_factor)
     model = build_model(out, train, args.hidden, args.layers)
     files = write_data(out / "data", train, held_out)
     history, t_sft = sft_then_grpo(

@@ -40,3 +40,16 @@ def test_the_agent_demo_trains_with_the_tool_in_the_loop(tmp_path):
     assert (out / "data" / "sft.jsonl").is_file() and (out / "grpo" / "final" / "config.json").is_file()
     row = json.loads((out / "data" / "sft.jsonl").read_text().splitlines()[0])
     assert row["tools"][0]["function"]["name"] == "calculator" and row["messages"][3]["role"] == "tool"
+
+
+def test_min_factor_sets_the_product_lengths_and_is_checked():
+    from rlhf.agent_demo import calc_rows, main
+
+    train, held_out = calc_rows(0, 300, 50, low=317)
+    assert {len(r["answer"]) for r in train + held_out} == {6}
+    assert all(int(r["answer"]) == eval(r["expression"]) for r in train + held_out)  # noqa: S307 - "a * b"
+    assert not {r["expression"] for r in train} & {r["expression"] for r in held_out}
+    mixed, _ = calc_rows(0, 300, 50)  # from 100: ~17% of the products have 5 digits
+    assert 20 < sum(len(r["answer"]) == 5 for r in mixed) < 90
+    with pytest.raises(ValueError, match="--min-factor must be a 3-digit number"):
+        main(["--min-factor", "50", "--output-dir", "/nonexistent/never-written"])

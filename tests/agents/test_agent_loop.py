@@ -125,9 +125,22 @@ def test_agent_loop_bench_runs_both_workloads_in_both_modes(pool, tok):
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
-    args = bench._parse(["--trajectories", "6", "--repeats", "1", "--slow-ms", "150", "--equal-ms", "20"])
+    args = bench._parse(
+        [
+            "--trajectories",
+            "6,3",
+            "--slow-frac",
+            "0.3",
+            "--repeats",
+            "1",
+            "--slow-ms",
+            "150",
+            "--equal-ms",
+            "20",
+        ]
+    )
     table = bench.measure(pool, tok, args)
-    assert set(table) == {"skewed", "equal"}
+    assert set(table) == {"skewed n=6 slow=0.3", "skewed n=3 slow=0.3", "equal n=6"}
     for row in table.values():
         assert row["same_tokens"] == 1.0
         assert row["lockstep"] > 0 and row["per_trajectory"] > 0 and 0 <= row["per_trajectory_idle"] <= 1
