@@ -22,7 +22,7 @@ turn, most calls 10 ms and 10% of them 300 ms; target >= 2x at the skewed settin
 equal one), ``python bench/agent_loop.py``: 32 trajectories 1.80x (37.4 -> 67.3 traj/s, engine
 idle 80% -> 40%), 128 trajectories (the agent demo's batch, 16 prompts x 8) 2.06x (75.6 -> 155.5
 traj/s, idle 81% -> 29%); equal 1.06x. A sweep (``--slow-frac 0.05,0.1,0.2``) gave 1.69-1.93x at
-32 trajectories and 1.73-2.09x at 128. The ideal speed-up (critical paths) is 1.8-1.9x: one batch
+32 trajectories and 1.73-2.09x at 128. The ideal speed-up (critical paths) is 1.77-1.96x: one batch
 ends with its longest trajectory, so 2x is reached where lockstep also runs behind its own ideal.
 """
 
