@@ -25,8 +25,8 @@ SFT warm start -> 85% after 40 GRPO steps (100 held-out products), tool-call suc
 100%, 300 s wall (model + SFT 122 s). Short of +30 points or 90%; what stops it, from greedy
 answers per product length on the same held-out set:
 
-- Every wrong answer after RL is a 5-digit product (14 of the 100; 6-digit 85/86 right): the
-  model copies the tool's result at the distance it learned on 6-digit results (``67626`` ->
+- 14 of the 15 wrong answers after RL are the 5-digit products (14 of the 100, all wrong;
+  6-digit 85/86 right): the model copies the tool's result at the distance it learned on 6-digit results (``67626`` ->
   ``66762``). RL moves that one copy distance towards the length most of its prompts have,
   instead of learning both. From a longer warm start (300 SFT steps, ``train.lr_schedule=cosine``:
   91%, 5-digit 10/14, 6-digit 81/86), 40 GRPO steps end at (5-digit, 6-digit right):

@@ -220,7 +220,9 @@ def _add_node(cluster: Path, cpus: int) -> str:
     return joined.group(1)
 
 
-def _kill_an_actor_node_during_a_save(cluster: Path, store, spare: str = "") -> tuple[str, int, bool]:
+def _kill_an_actor_node_during_a_save(
+    cluster: Path, store, job_id: str, spare: str = ""
+) -> tuple[str, int, bool]:
     """Kills the worker node (its raylet and workers: what a lost machine does) of an actor rank,
     not the head nor ``spare``, while that rank writes its checkpoint part; returns (node ip,
     rank pid, `latest` not moved yet)."""
@@ -234,7 +236,10 @@ def _kill_an_actor_node_during_a_save(cluster: Path, store, spare: str = "") -> 
         ranks = json.loads(live.stdout.strip().splitlines()[-1])
         if hit := [(ip, pid) for ip, pid, _ in ranks if ip not in ("127.0.0.2", spare)]:
             break
-        assert time.monotonic() < deadline, f"no actor rank off the head and {spare!r} in 60 s: {ranks}"
+        assert time.monotonic() < deadline and not _ended(cluster, job_id), (
+            f"no actor rank off the head and {spare!r} in 60 s: {ranks}; job {_ended(cluster, job_id) or 'running'}"
+            f" at step {_step(store)}\n" + _logs(cluster, job_id)[-3000:]
+        )
         time.sleep(1)
     ip, pid = hit[0]
     # the rank's staging dir as its own node sees it (its mount namespace, through /proc)
@@ -251,73 +256,30 @@ def _kill_an_actor_node_during_a_save(cluster: Path, store, spare: str = "") -> 
     return ip, pid, during_save
 
 
-def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cluster, s3_uri):
-    """Runs last (it takes a node down). strict_spread puts the 2 colocated actor+reference ranks
-    (2 CPUs each) on two nodes and the engine (2 CPUs) on the third: the three worker nodes are
-    full (a node with a private disk gets the tiny model shipped); checkpoints, metrics, logs and
-    the final model go to S3. `ray job stop` checkpoints; the resubmitted job resumes. A worker
-    node holding an actor rank is killed while that rank writes its checkpoint part: the two nodes
-    left cannot hold the run, so the recovery says it waits for nodes (cluster.startup_timeout_s);
-    a replacement node with 4 CPUs joins, and the run rebuilds from the last complete checkpoint.
-    Then a second node with an actor rank is lost during a save: the nodes left (the replacement's
-    spare CPUs) suffice, and the run recovers on them with no node added. It finishes with every
-    step's metrics once."""
-    from rlhf.storage import Store
-
-    store = Store(s3_uri)
-    steps = 20
-    job = (
-        *JOB,
-        f"train.num_steps={steps}",  # ~1 s a step here: long enough to be stopped, resumed and hit twice
-        "train.save_every=1",
-        "train.stop_grace_s=50",
-        f'train.output_dir="{s3_uri}"',  # quoted for Hydra
-    )
-    t0 = time.perf_counter()
+def _submit_and_stop(cluster: Path, store, job: tuple[str, ...]) -> int:
+    """Submits the job, stops it with `ray job stop` after step 2; returns the step it stopped
+    after (its checkpoint is the newest one)."""
     sub = _submit(cluster, *job, wait=False)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job_id = re.search(r"raysubmit_\w+", sub.stdout + sub.stderr).group(0)
     _wait_for_step(cluster, store, job_id, 2, 400)
-    env = _env(cluster)
     dashboard = (cluster / "dashboard").read_text().strip()
     stop = subprocess.run(
         [str(Path(sys.executable).with_name("ray")), "job", "stop", "--address", dashboard, job_id],
-        env=env, capture_output=True, text=True, timeout=180,
+        env=_env(cluster), capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert stop.returncode == 0, stop.stdout + stop.stderr
     logs = _logs(cluster, job_id)
     stopped = re.search(r"stopped by SIGTERM after step (\d+); checkpoint (\S+)", logs)
     assert stopped, logs[-3000:]
     step = int(stopped.group(1))
-    assert 2 <= step < steps - 8 and _step(store) == step  # room for two losses after it
-    t_first = time.perf_counter() - t0
-    ips, where = _where(cluster)  # the stopped job's actors, from Ray's own view
-    assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
-    workers, engines = where["ModelWorker"], where["RolloutEngine"]
-    assert len(workers) == 4 and len(set(workers)) == 2 and all(workers.count(ip) == 2 for ip in set(workers))
-    assert len(engines) == 1 and engines[0] not in workers  # a node of its own
+    assert _step(store) == step
+    return step
 
-    resub = _submit(cluster, *job, wait=False)
-    assert resub.returncode == 0, resub.stdout + resub.stderr
-    job_id = re.search(r"raysubmit_\w+", resub.stdout + resub.stderr).group(0)
-    _wait_for_step(cluster, store, job_id, step + 1, 400)  # resumed and saved: every rank is up
-    ip, pid, during_save = _kill_an_actor_node_during_a_save(cluster, store)
-    t_kill = time.perf_counter() - t0
-    # the run says that it waits for nodes (what a user sees); the pattern stops before the dead
-    # nodes: Ray may not have marked the lost node dead by then
-    waiting = _wait_for_log(cluster, job_id, r"waiting up to \d+ s more \(cluster.startup_timeout_s\)", 300)
-    t_waiting = time.perf_counter() - t0
-    assert _add_node(cluster, 4) == "127.0.0.6"
-    t_added = time.perf_counter() - t0
-    _wait_for_step(cluster, store, job_id, _step(store) + 1, 400)  # recovered and saved
-    ip2, _, during_save2 = _kill_an_actor_node_during_a_save(cluster, store, spare="127.0.0.6")
-    t_kill2 = time.perf_counter() - t0
-    deadline = time.monotonic() + 500
-    while not (status := _ended(cluster, job_id)):
-        assert time.monotonic() < deadline, _logs(cluster, job_id)[-4000:]
-        time.sleep(2)
-    out = _logs(cluster, job_id)
-    assert status == "SUCCEEDED", out[-4000:]
+
+def _check_resumed_twice_recovered_run(out: str, store, step: int, steps: int) -> None:
+    """The resumed job's log and its outputs in the store: resumed at `step`, two recoveries,
+    every step's metrics once, the final model, each rank's optimizer part and the logs."""
     assert f"at step {step}" in out and "resumed from s3://***@" in out, out[-3000:]
     story = "\n".join(  # the run's key lines, for a failure message
         x[:300]
@@ -334,6 +296,63 @@ def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cl
     assert len(ranks) == 2, files  # each rank's optimizer part
     logs_up = {f.split("/")[-1].split("-")[0] for f in files if f.startswith("logs/")}
     assert {"actor", "reference", "engine"} <= logs_up, files
+
+
+def test_s3_job_is_stopped_resubmitted_and_survives_a_node_lost_during_a_save(cluster, s3_uri):
+    """Runs last (it takes a node down). strict_spread puts the 2 colocated actor+reference ranks
+    (2 CPUs each) on two nodes and the engine (2 CPUs) on the third: the three worker nodes are
+    full (a node with a private disk gets the tiny model shipped); checkpoints, metrics, logs and
+    the final model go to S3. `ray job stop` checkpoints; the resubmitted job resumes. A worker
+    node holding an actor rank is killed while that rank writes its checkpoint part: the two nodes
+    left cannot hold the run, so the recovery says it waits for nodes (cluster.startup_timeout_s);
+    a replacement node with 4 CPUs joins, and the run rebuilds from the last complete checkpoint.
+    Then a second node with an actor rank is lost during a save: the nodes left (the replacement's
+    spare CPUs) suffice, and the run recovers on them with no node added. It finishes with every
+    step's metrics once."""
+    from rlhf.storage import Store
+
+    store = Store(s3_uri)
+    steps = 24
+    job = (
+        *JOB,
+        f"train.num_steps={steps}",  # ~1 s a step here: long enough to be stopped, resumed and hit twice
+        "train.save_every=1",
+        "train.stop_grace_s=50",
+        f'train.output_dir="{s3_uri}"',  # quoted for Hydra
+    )
+    t0 = time.perf_counter()
+    step = _submit_and_stop(cluster, store, job)
+    # room for two losses after it: a run that ends before the second kill leaves no rank to hit
+    assert 2 <= step < steps - 10
+    t_first = time.perf_counter() - t0
+    ips, where = _where(cluster)  # the stopped job's actors, from Ray's own view
+    assert sorted(set(ips.values())) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+    workers, engines = where["ModelWorker"], where["RolloutEngine"]
+    assert len(workers) == 4 and len(set(workers)) == 2 and all(workers.count(ip) == 2 for ip in set(workers))
+    assert len(engines) == 1 and engines[0] not in workers  # a node of its own
+
+    resub = _submit(cluster, *job, wait=False)
+    assert resub.returncode == 0, resub.stdout + resub.stderr
+    job_id = re.search(r"raysubmit_\w+", resub.stdout + resub.stderr).group(0)
+    _wait_for_step(cluster, store, job_id, step + 1, 400)  # resumed and saved: every rank is up
+    ip, pid, during_save = _kill_an_actor_node_during_a_save(cluster, store, job_id)
+    t_kill = time.perf_counter() - t0
+    # the run says that it waits for nodes (what a user sees); the pattern stops before the dead
+    # nodes: Ray may not have marked the lost node dead by then
+    waiting = _wait_for_log(cluster, job_id, r"waiting up to \d+ s more \(cluster.startup_timeout_s\)", 300)
+    t_waiting = time.perf_counter() - t0
+    assert _add_node(cluster, 4) == "127.0.0.6"
+    t_added = time.perf_counter() - t0
+    _wait_for_step(cluster, store, job_id, _step(store) + 1, 400)  # recovered and saved
+    ip2, _, during_save2 = _kill_an_actor_node_during_a_save(cluster, store, job_id, spare="127.0.0.6")
+    t_kill2 = time.perf_counter() - t0
+    deadline = time.monotonic() + 500
+    while not (status := _ended(cluster, job_id)):
+        assert time.monotonic() < deadline, _logs(cluster, job_id)[-4000:]
+        time.sleep(2)
+    out = _logs(cluster, job_id)
+    assert status == "SUCCEEDED", out[-4000:]
+    _check_resumed_twice_recovered_run(out, store, step, steps)
     _, where = _where(cluster)  # every actor the jobs made, from Ray's own view
     assert "127.0.0.6" in where["ModelWorker"] + where["RolloutEngine"], where  # the replacement was used
     print(
