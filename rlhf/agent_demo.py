@@ -26,14 +26,15 @@ SFT warm start -> 85% after 40 GRPO steps (100 held-out products), tool-call suc
 answers per product length on the same held-out set:
 
 - 14 of the 15 wrong answers after RL are the 5-digit products (14 of the 100, all wrong;
-  6-digit 85/86 right): the model copies the tool's result at the distance it learned on 6-digit results (``67626`` ->
-  ``66762``). RL moves that one copy distance towards the length most of its prompts have,
-  instead of learning both. From a longer warm start (300 SFT steps, ``train.lr_schedule=cosine``:
-  91%, 5-digit 10/14, 6-digit 81/86), 40 GRPO steps end at (5-digit, 6-digit right):
-  ``actor_lr`` 3e-4: 85% (0/14, 85/86); 1e-4: 86% (0/14, 86/86); 1e-4 on prompts 50/50 by
-  length: 73% (14/14, 59/86); 1e-4, ``kl_coef`` 0.05, 30/70 prompts: 81% (14/14, 67/86);
-  5e-5, ``kl_coef`` 0.1: 89% (10/14, 79/86), held by the KL term but no gain. A warm start
-  balanced 50/50 by length (140 steps) gives 69% and GRPO does not raise it (68%).
+  6-digit 85/86 right): the model copies the tool's result at the distance it learned on
+  6-digit results (``67626`` -> ``66762``). RL moves that one copy distance towards the length
+  most of its prompts have, instead of learning both. From a longer warm start (300 SFT steps,
+  ``train.lr_schedule=cosine``: 91%, 5-digit 10/14, 6-digit 81/86), 40 GRPO steps end at
+  (5-digit, 6-digit right): ``actor_lr`` 3e-4: 85% (0/14, 85/86); 1e-4: 86% (0/14, 86/86);
+  1e-4 on prompts 50/50 by length: 73% (14/14, 59/86); 1e-4, ``kl_coef`` 0.05, 30/70 prompts:
+  81% (14/14, 67/86); 5e-5, ``kl_coef`` 0.1: 89% (10/14, 79/86), held by the KL term but no
+  gain. A warm start balanced 50/50 by length (140 steps) gives 69% and GRPO does not raise it
+  (68%).
 - ``--min-factor 317`` (6-digit products only) leaves RL nothing to do: the warm start alone
   reaches 100% (140 SFT steps) or 99% (90; 97% after GRPO) but 3% at 80, and GRPO from 3% gets
   no reward in 40 steps: the copy is learned abruptly between 80 and 90 SFT steps.

@@ -236,9 +236,10 @@ def _kill_an_actor_node_during_a_save(
         ranks = json.loads(live.stdout.strip().splitlines()[-1])
         if hit := [(ip, pid) for ip, pid, _ in ranks if ip not in ("127.0.0.2", spare)]:
             break
-        assert time.monotonic() < deadline and not _ended(cluster, job_id), (
-            f"no actor rank off the head and {spare!r} in 60 s: {ranks}; job {_ended(cluster, job_id) or 'running'}"
-            f" at step {_step(store)}\n" + _logs(cluster, job_id)[-3000:]
+        ended = _ended(cluster, job_id)  # a job that finished has no rank left to hit
+        assert time.monotonic() < deadline and not ended, (
+            f"no actor rank off the head and {spare!r} ({f'job {ended}' if ended else 'in 60 s'}): {ranks};"
+            f" saved step {_step(store)}\n" + _logs(cluster, job_id)[-3000:]
         )
         time.sleep(1)
     ip, pid = hit[0]
