@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 FAULTS = Path(__file__).with_name("faults.py")
 STEPS = 6
 CALLS_PER_STEP = 4 * 2  # rollout_batch_size x n_samples_per_prompt reward calls
+AGENT_TIMINGS = ("agent/tool_time_s", "agent/engine_busy_fraction")  # wall-clock measures
 
 
 def _overrides(out: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -47,7 +48,7 @@ def _numbers(rows: list[dict]) -> list[dict]:
     # Timings differ from run to run; so do the counters of what went wrong. A fault-injecting
     # reward (tests/faults.py, count_reward_then_*) scores as count_reward does, and its
     # reward/<fn> metric carries its own name: compared under count_reward's.
-    skip = ("time/", "perf/", "run/recoveries", "rollout/engine_restarts")
+    skip = ("time/", "perf/", "run/recoveries", "rollout/engine_restarts", *AGENT_TIMINGS)
     return [
         {
             re.sub(r"^reward/count_reward_then_\w+$", "reward/count_reward", k): v
@@ -73,16 +74,10 @@ def straight(tmp_path_factory, tiny_llama_dir):
     return history
 
 
-def test_sigterm_checkpoints_exits_and_the_resumed_run_is_exact(straight, tmp_path, tiny_llama_dir):
-    """The real CLI as Kubernetes stops it: SIGTERM to the driver mid-run."""
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf.ppo",
-        *_overrides(out, tiny_llama_dir),
-        f"hydra.run.dir={tmp_path / 'h'}",
-    ]
+def _stop_with_sigterm_and_resume(out: Path, overrides: list[str], tmp_path: Path) -> None:
+    """The real CLI as Kubernetes stops it: SIGTERM to the driver after step 2, a checkpoint, the
+    exit code, and the same command again, which resumes and runs to the end."""
+    cmd = [sys.executable, "-m", "rlhf.ppo", *overrides, f"hydra.run.dir={tmp_path / 'h'}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
     while not (out / "metrics.jsonl").is_file() or len(_rows(out)) < 2:
@@ -102,6 +97,25 @@ def test_sigterm_checkpoints_exits_and_the_resumed_run_is_exact(straight, tmp_pa
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming from {out / 'checkpoints' / f'step_{done}'}" in proc.stdout + proc.stderr
+
+
+def test_sigterm_checkpoints_exits_and_the_resumed_run_is_exact(straight, tmp_path, tiny_llama_dir):
+    out = tmp_path / "run"
+    _stop_with_sigterm_and_resume(out, _overrides(out, tiny_llama_dir), tmp_path)
+    assert _numbers(_rows(out)) == _numbers(straight)
+
+
+def test_a_multi_turn_run_through_the_agent_loop_resumes_exactly(tmp_path, tiny_llama_dir):
+    """Per-trajectory rollouts (two turns each, an environment between them) stopped by SIGTERM
+    and resumed sample the uninterrupted run's tokens: seeds depend on (seed, batch, trajectory,
+    turn), not on which turn the engine happened to finish first."""
+    from rlhf.ppo import run
+
+    env = ("env.name=rlhf.envs.toy:EchoToolEnv", "env.max_turns=2")
+    straight = run(compose("ppo", _overrides(tmp_path / "straight", tiny_llama_dir, *env)))
+    assert all(h["agent/turns_mean"] == 2.0 for h in straight)  # the loop ran both turns
+    out = tmp_path / "run"
+    _stop_with_sigterm_and_resume(out, _overrides(out, tiny_llama_dir, *env), tmp_path)
     assert _numbers(_rows(out)) == _numbers(straight)
 
 
