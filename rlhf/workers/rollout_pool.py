@@ -93,6 +93,9 @@ class RolloutPool:
         self.startup_timeout_s, self.call_timeout_s = startup_timeout_s, call_timeout_s
         self.restarts = [0] * num_engines
         self.restarts_this_call = [0] * num_engines
+        # submit_turn ref -> restarts[engine] when it was sent: a failure of a call sent to an
+        # engine that was replaced since is no new death (many turns are in flight on one engine)
+        self._turn_sent_to: dict[Any, int] = {}
         self.weight_version = 0
         self._weights_ref: Any = None
         self._actor_cls = ray.remote(engine_cls)
@@ -195,9 +198,11 @@ class RolloutPool:
                 f"start or to load weights version {self.weight_version}: {type(e).__name__}: {e}"
             ) from e
 
-    def _result_or_restart(self, i: int, ref: Any, what: str) -> tuple[bool, Any]:
+    def _result_or_restart(self, i: int, ref: Any, what: str, sent_to: int | None = None) -> tuple[bool, Any]:
         """``(True, result)`` of engine ``i``'s call, or ``(False, None)`` once a dead engine was
-        restarted (the caller sends the call again); any other failure raises."""
+        restarted (the caller sends the call again); any other failure raises. ``sent_to`` is
+        ``restarts[i]`` when the call was sent (default: now): a call to an engine replaced since
+        is sent again without another restart."""
         try:
             return True, self._await(ref, self.call_timeout_s, f"engine {i} to finish {what}")
         except RolloutEngineError:
@@ -207,7 +212,8 @@ class RolloutPool:
                 raise RolloutEngineError(
                     f"rollout engine {i} failed in {what}: {type(e).__name__}: {e}"
                 ) from e
-            self._restart(i, e)
+            if sent_to is None or sent_to == self.restarts[i]:
+                self._restart(i, e)
             return False, None
 
     def _call_all(self, method: str, args_per_engine: dict[int, tuple]) -> dict[int, Any]:
@@ -262,19 +268,23 @@ class RolloutPool:
     def begin_calls(self) -> None:
         """Start counting restarts anew (``rollout.max_restarts`` holds per agent-loop batch)."""
         self.restarts_this_call = [0] * self.num_engines
+        self._turn_sent_to.clear()
 
     def submit_turn(self, engine: int, prompt: list[int], sampling: Mapping[str, Any]) -> Any:
         """One request (``n`` completions of ``prompt``) on engine ``engine``, without waiting:
         the engine batches it with whatever else is in flight. Returns the ref for ``turn_result``."""
         check_sampling(sampling)
         validate_prompts([prompt], self.max_model_len)
-        return self.engines[engine].generate.remote([list(map(int, prompt))], dict(sampling))
+        ref = self.engines[engine].generate.remote([list(map(int, prompt))], dict(sampling))
+        self._turn_sent_to[ref] = self.restarts[engine]
+        return ref
 
     def turn_result(self, engine: int, ref: Any, resubmit: Callable[[], Any]) -> dict:
         """The first completion of a ``submit_turn`` request. A dead engine is restarted (weights
-        re-synced) and the request sent again with ``resubmit()`` (same seed: same tokens)."""
+        re-synced) and the request sent again with ``resubmit()`` (same seed: same tokens); the
+        other turns that were in flight on it are sent again to the replacement."""
         while True:
-            ok, result = self._result_or_restart(engine, ref, "a turn")
+            ok, result = self._result_or_restart(engine, ref, "a turn", self._turn_sent_to.pop(ref, None))
             if ok:
                 return result[0][0]
             ref = resubmit()

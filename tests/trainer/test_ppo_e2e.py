@@ -243,6 +243,25 @@ def test_killed_engine_is_restarted_without_losing_the_step(world, tmp_path):
     _engines_serve_actor_weights(world)
 
 
+def test_an_engine_killed_under_the_agent_loop_is_restarted_once_for_all_its_turns(world, tmp_path):
+    """Four trajectories' turns are in flight on the killed engine: each comes back failed, and
+    the first restarts the engine; the others go to the replacement instead of counting as a
+    second death of it (which would fail the step, rollout.max_restarts=1)."""
+    from rlhf.envs import load_env
+
+    pool = world["workers"].rollout
+    tr = _trainer(
+        world, tmp_path, env={"name": "rlhf.envs.toy:EchoToolEnv", "max_turns": 2}, train={"num_steps": 1}
+    )
+    tr.maker.env_factory = lambda: load_env("rlhf.envs.toy:EchoToolEnv")
+    before = list(pool.restarts)
+    ray.kill(pool.engines[1])
+    history = tr.fit()
+    assert len(history) == 1 and history[0]["agent/turns_mean"] == 2.0
+    assert pool.restarts == [before[0], before[1] + 1]
+    _engines_serve_actor_weights(world)
+
+
 def test_overlong_prompt_is_a_clear_error(world):
     from rlhf.data.prompts import load_prompts
 
