@@ -94,10 +94,9 @@ def sft_then_grpo(
     """The two phases both demos run: SFT on ``files["sft"]`` (``args.sft_steps`` steps, into
     ``<out>/sft``), then GRPO from its final model on the train / held-out prompt files
     (``args.rl_steps`` steps, into ``<out>/grpo``). Returns the GRPO history and when SFT ended."""
-    import ray
-
     from rlhf import ppo, sft
     from rlhf.config import compose
+    from rlhf.trainer.setup import stop_local_ray
 
     sft_cfg = compose(
         "sft",
@@ -130,7 +129,7 @@ def sft_then_grpo(
         )
         return ppo.run(ppo_cfg), t_sft
     finally:
-        ray.shutdown()
+        stop_local_ray()
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

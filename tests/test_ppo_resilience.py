@@ -7,6 +7,7 @@ Real Ray, vLLM and DeepSpeed; faults come from tests/faults.py.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -74,22 +75,47 @@ def straight(tmp_path_factory, tiny_llama_dir):
     return history
 
 
-def _stop_with_sigterm_and_resume(out: Path, overrides: list[str], tmp_path: Path) -> None:
-    """The real CLI as Kubernetes stops it: SIGTERM to the driver after step 2, a checkpoint, the
-    exit code, and the same command again, which resumes and runs to the end."""
+def _local_ray_supervisors() -> set[int]:
+    """Pids of the supervisors that keep a driver's local Ray head (rlhf.workers.local_ray)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "rlhf.workers.local_ray" in line}
+
+
+def _stop_with_sigterm_and_resume(out: Path, overrides: list[str], tmp_path: Path, how: str) -> None:
+    """The real CLI stopped the way a terminal, ``timeout`` or a container runtime stops it: SIGTERM
+    to its whole process group after step 2 (``how="group"``: ``kill -TERM -- -PGID``;
+    ``how="timeout"``: the command runs under ``timeout -s TERM``, which passes a SIGTERM it gets
+    on to the group). Then the checkpoint, the exit code within the grace, no Ray left behind,
+    and the same command again, which resumes and runs to the end."""
     cmd = [sys.executable, "-m", "rlhf.ppo", *overrides, f"hydra.run.dir={tmp_path / 'h'}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    before = _local_ray_supervisors()
+    if how == "timeout":
+        proc = subprocess.Popen(
+            ["timeout", "-s", "TERM", "3600", *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    else:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
     deadline = time.monotonic() + 600
     while not (out / "metrics.jsonl").is_file() or len(_rows(out)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
         time.sleep(0.2)
     t_signal = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    if how == "timeout":
+        proc.send_signal(signal.SIGTERM)  # timeout signals its command's process group
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     stopped_after = time.monotonic() - t_signal
     assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
     assert "received SIGTERM" in log and "run the same command again" in log, log[-3000:]
-    assert stopped_after < 120, f"took {stopped_after:.0f} s to stop"
+    assert "Failed to connect to GCS" not in log, log[-3000:]
+    assert stopped_after < 120, f"took {stopped_after:.0f} s to stop (train.stop_grace_s=120)"
+    assert _local_ray_supervisors() <= before, "the run's local Ray outlived it"
     done = len(_rows(out))
     assert 2 <= done < STEPS
     assert (out / "checkpoints" / "latest").read_text() == f"step_{done}"
@@ -99,9 +125,11 @@ def _stop_with_sigterm_and_resume(out: Path, overrides: list[str], tmp_path: Pat
     assert f"resuming from {out / 'checkpoints' / f'step_{done}'}" in proc.stdout + proc.stderr
 
 
-def test_sigterm_checkpoints_exits_and_the_resumed_run_is_exact(straight, tmp_path, tiny_llama_dir):
+def test_sigterm_to_the_process_group_checkpoints_exits_and_the_resumed_run_is_exact(
+    straight, tmp_path, tiny_llama_dir
+):
     out = tmp_path / "run"
-    _stop_with_sigterm_and_resume(out, _overrides(out, tiny_llama_dir), tmp_path)
+    _stop_with_sigterm_and_resume(out, _overrides(out, tiny_llama_dir), tmp_path, how="group")
     assert _numbers(_rows(out)) == _numbers(straight)
 
 
@@ -115,7 +143,7 @@ def test_a_multi_turn_run_through_the_agent_loop_resumes_exactly(tmp_path, tiny_
     straight = run(compose("ppo", _overrides(tmp_path / "straight", tiny_llama_dir, *env)))
     assert all(h["agent/turns_mean"] == 2.0 for h in straight)  # the loop ran both turns
     out = tmp_path / "run"
-    _stop_with_sigterm_and_resume(out, _overrides(out, tiny_llama_dir, *env), tmp_path)
+    _stop_with_sigterm_and_resume(out, _overrides(out, tiny_llama_dir, *env), tmp_path, how="timeout")
     assert _numbers(_rows(out)) == _numbers(straight)
 
 

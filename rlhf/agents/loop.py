@@ -1,7 +1,7 @@
 """The agent loop: trajectories that advance on their own.
 
 Each trajectory is generate -> environment -> generate ... on its own clock: when its turn comes
-back from the engine it goes to the environment (a thread of a pool of ``env.max_concurrency``,
+back from the engine it goes to the environment (a daemon thread, at most ``env.max_concurrency`` at once,
 bounded by ``env.step_timeout_s``), and its next turn is submitted as soon as the observation is
 ready, while other trajectories are still generating. The engines batch whatever requests are in
 flight (``rlhf.workers.continuous``), so one slow tool holds back only its own trajectory.
@@ -26,12 +26,13 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from rlhf.agents.bounded import BoundedCalls
 from rlhf.agents.chat_delta import ChatDelta
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
@@ -136,7 +137,7 @@ class AgentLoop:
         self.sampling = self._sampling = {**sampling, "n": 1}
         self.seed, self.max_turns, self.max_len = seed, max_turns, max_model_len
         self.max_obs, self.step_timeout_s, self.lockstep = max_observation_tokens, step_timeout_s, lockstep
-        self.threads = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rlhf-env")
+        self.threads = BoundedCalls(max_concurrency, "env")
         self.delta = ChatDelta(tokenizer, tools) if getattr(tokenizer, "chat_template", None) else None
 
     # ---------------------------------------------------------------- the run
@@ -269,6 +270,7 @@ class AgentLoop:
     def _after_env(self, t: _Trajectory, fut: Future, stats: AgentStats) -> bool:
         """Append the observation; True if the trajectory goes on."""
         if not fut.done():
+            self.threads.abandon(fut)
             stats.env_timeouts += 1
             log.warning(
                 "env.step of trajectory %d took over env.step_timeout_s=%g s: it ends there",
@@ -312,4 +314,4 @@ class AgentLoop:
             return 0.0
 
     def close(self) -> None:
-        self.threads.shutdown(wait=False, cancel_futures=True)
+        pass  # nothing to join: a hung env step's daemon thread is abandoned (BoundedCalls)

@@ -1,22 +1,24 @@
 """The tool-calling environment: the policy's turn is parsed for tool calls; each runs with a
-timeout on a thread pool and its result (or the error) becomes a ``tool`` message; a turn
+timeout on a thread of its own (``BoundedCalls``) and its result (or the error) becomes a ``tool`` message; a turn
 without calls is the final answer, scored by the reward function (a verifier).
 
 Every failure is an observation the model sees, never a dead run: an unknown tool, arguments
-that do not fit the schema, a tool that raises, one past ``env.tool_timeout_s`` (its thread is
-left behind and counted; the ``python`` tool's process is killed by its own limits), output over
+that do not fit the schema, a tool that raises, one past ``env.tool_timeout_s`` (its daemon thread is
+abandoned and counted, its slot freed; the ``python`` tool's process is killed by its own limits), a
+return value that is not a str, dict or list, output over
 ``env.max_tool_output_chars`` (cut), a call the parser cannot read (counted as malformed).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf.agents.bounded import BoundedCalls
 from rlhf.agents.parser import PARSERS, ParsedTurn, ToolCall
 from rlhf.agents.tools import Tool, ToolArgumentError
 from rlhf.envs.base import StepResult, ToolStats
@@ -26,12 +28,13 @@ __all__ = ["EnvFactory", "ToolEnv", "ToolRunner", "env_factory"]
 
 @dataclass
 class ToolRunner:
-    """Runs tool calls with a timeout on a shared pool (``env.max_concurrency`` threads)."""
+    """Runs tool calls with a timeout, at most ``env.max_concurrency`` at once (``BoundedCalls``:
+    a call that hangs is abandoned at its timeout and blocks neither other calls nor the exit)."""
 
     tools: dict[str, Tool]
     timeout_s: float
     max_output_chars: int
-    pool: ThreadPoolExecutor
+    calls: BoundedCalls
 
     def call(self, call: ToolCall) -> tuple[str, ToolStats]:
         stats = ToolStats(calls=1)
@@ -42,14 +45,14 @@ class ToolRunner:
                 raise ToolArgumentError(
                     f"no tool named {call.name!r}; available: {', '.join(sorted(self.tools))}"
                 )
-            future = self.pool.submit(tool.fn, **tool.check(call.arguments))
+            future = self.calls.submit(tool.fn, **tool.check(call.arguments))
             try:
-                text = str(future.result(timeout=self.timeout_s))
+                text = tool_text(call.name, future.result(timeout=self.timeout_s))
             except FutureTimeout:
                 if future.done():
                     raise  # the tool's own TimeoutError (the same class since Python 3.11)
                 stats.timeouts += 1
-                future.cancel()
+                self.calls.abandon(future)
                 return f"error: {call.name} timed out after {self.timeout_s:g} s", stats
         except Exception as e:  # noqa: BLE001 - the model sees every failure as an observation
             stats.errors += 1
@@ -59,6 +62,22 @@ class ToolRunner:
         if len(text) > self.max_output_chars:
             text = text[: self.max_output_chars] + f"\n[cut at {self.max_output_chars} characters]"
         return text, stats
+
+
+def tool_text(name: str, value: Any) -> str:
+    """What the model sees of a tool's return value: a str as it is, a dict or list as JSON;
+    anything else is the tool's mistake (``TypeError``, an error observation)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list)):
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} returned a {type(value).__name__} that is not JSON ({e})") from e
+    raise TypeError(
+        f"{name} returned {type(value).__name__} ({value!r:.80}); a tool returns a str, or a dict or list "
+        "(sent as JSON)"
+    )
 
 
 class ToolEnv:
@@ -130,7 +149,7 @@ def env_factory(env: Any) -> EnvFactory | None:
         tools,
         env.tool_timeout_s,
         env.max_tool_output_chars,
-        ThreadPoolExecutor(env.max_concurrency, thread_name_prefix="rlhf-tool"),
+        BoundedCalls(env.max_concurrency, "tool"),
     )
     return EnvFactory(
         lambda: ToolEnv(runner, env.tool_parser, env.max_calls_per_turn), [t.schema() for t in tools.values()]

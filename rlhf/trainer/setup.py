@@ -6,6 +6,7 @@ placement groups and resources; the groups and engines it builds do not know abo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from rlhf.config.schema import DeepSpeedConfig
 from rlhf.envvars import cpu_env
 from rlhf.storage import local_mirror
+from rlhf.workers.local_ray import LocalRay
 
 if TYPE_CHECKING:
     from rlhf.config.schema import ClusterConfig, ModelConfig, PPOConfig
@@ -49,12 +51,35 @@ def init_ray(cluster: ClusterConfig) -> None:
     runtime_env = {"env_vars": env}
     if cluster.address:
         ray.init(address=cluster.address, runtime_env=runtime_env)
-    else:
-        start_local_ray(
-            lambda: ray.init(num_cpus=cluster.num_cpus, include_dashboard=False, runtime_env=runtime_env),
-            ray.shutdown,
-            cluster.ray_start_timeout_s,
-        )
+        return
+    stop_local_ray()  # one a test or demo left behind after its ray.shutdown()
+
+    def start() -> None:
+        global _local_ray
+        _local_ray = LocalRay(cluster.num_cpus)
+        address = _local_ray.start(cluster.ray_start_timeout_s)
+        ray.init(address=address, runtime_env=runtime_env)
+
+    start_local_ray(start, stop_local_ray, cluster.ray_start_timeout_s)
+    atexit.register(stop_local_ray)  # before Ray's own exit hook, which would wait for the head
+
+
+# The head init_ray started in its own session (rlhf.workers.local_ray), so that a signal to the
+# driver's process group leaves it up until the driver has checkpointed.
+_local_ray: LocalRay | None = None
+
+
+def stop_local_ray() -> None:
+    """Disconnect and stop the local Ray head that ``init_ray`` started, if any."""
+    global _local_ray
+    import ray
+
+    if _local_ray is None:
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+    _local_ray.stop()
+    _local_ray = None
 
 
 def prepare_nodes(output_dir: str, model_dirs: list[str], timeout_s: float) -> None:
@@ -68,7 +93,12 @@ def prepare_nodes(output_dir: str, model_dirs: list[str], timeout_s: float) -> N
 
 # What ray.init raises when the processes it started did not come up in time: Ray waits a fixed
 # 30 s for its raylet to register (ray/_private/node.py), which a loaded machine can miss.
-_RAY_START_FAILURES = ("timed out during startup", "failed to start", "Failed to connect to GCS")
+_RAY_START_FAILURES = (
+    "timed out during startup",
+    "failed to start",
+    "Failed to connect to GCS",
+    "did not start within",
+)
 
 
 def start_local_ray(

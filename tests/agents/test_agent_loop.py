@@ -167,13 +167,12 @@ def _readme_examples() -> dict:
 
 
 def test_the_readme_tool_and_environment_run_in_the_loop(pool, tok):
-    from concurrent.futures import ThreadPoolExecutor
-
+    from rlhf.agents.bounded import BoundedCalls
     from rlhf.agents.parser import ToolCall
     from rlhf.agents.tool_env import ToolRunner
 
     scope = _readme_examples()
-    runner = ToolRunner({"weather": scope["weather"]}, 5.0, 100, ThreadPoolExecutor(1))
+    runner = ToolRunner({"weather": scope["weather"]}, 5.0, 100, BoundedCalls(1, "tool"))
     assert runner.call(ToolCall("weather", {"city": "Paris"}))[0] == "18 C"
     assert runner.call(ToolCall("weather", {"town": "Paris"}))[0].startswith("error:")
     prompts = [Prompt("guess", tok("count 1")["input_ids"], {"index": 0, "answer": "7"})]

@@ -225,3 +225,42 @@ def test_checkpoint_resume_continues_the_same_schedule(sft_group, tmp_path, tiny
     sft_group.load_checkpoint(str(tmp_path / "checkpoints" / "step_2" / "model"))
     at_two = sft_group.get_weights()
     assert any(not torch.equal(at_two[k], uninterrupted[k]) for k in uninterrupted)
+
+
+@pytest.mark.e2e
+def test_sigterm_to_the_process_group_checkpoints_and_the_run_resumes(tmp_path, tiny_llama_dir):
+    """``kill -TERM -- -PGID`` (what Ctrl-C, ``timeout`` and container runtimes do) reaches the
+    local Ray too: the run still checkpoints and exits 143 at once (the Ray it started is in a
+    session of its own), and the same command resumes and logs every step once."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 16
+    cmd = [
+        sys.executable, "-m", "rlhf.sft", f"model.path={tiny_llama_dir}", f"train.output_dir={tmp_path / 'run'}",
+        "train.tensorboard=false", "data.num_toy=64", "data.eval_size=4", "train.batch_size=4",
+        "train.epochs=10", f"train.max_steps={steps}", "train.stop_grace_s=120", f"hydra.run.dir={tmp_path / 'h'}",
+    ]  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 300
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 2"
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert time.monotonic() - t0 < 120 and "Failed to connect to GCS" not in log, log[-3000:]
+    done = (tmp_path / "run" / "checkpoints" / "latest").read_text()
+    assert done.startswith("step_") and int(done[5:]) < steps, done
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, steps + 1))
