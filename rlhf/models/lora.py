@@ -32,6 +32,7 @@ __all__ = [
     "apply_lora",
     "default_targets",
     "merged_tensors",
+    "transposed_modules",
     "write_adapter",
 ]
 
@@ -46,6 +47,7 @@ _PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 _TARGETS_BY_TYPE = {
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],  # Conv1D: PEFT sets fan_in_fan_out
 }
 
 
@@ -96,8 +98,14 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> int:
     names = {n.rpartition(".")[2] for n, _ in model.named_modules()}
     missing = [t for t in [*cfg.target_modules, *(cfg.modules_to_save or [])] if t not in names]
     if missing:
+        from transformers.pytorch_utils import Conv1D
+
         linear = sorted(
-            {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            {
+                n.rpartition(".")[2]
+                for n, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, Conv1D))
+            }
         )
         raise ValueError(
             f"model.lora.target_modules/modules_to_save: {model.config.model_type} has no module named "
@@ -136,10 +144,19 @@ def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torc
     }
 
 
+def transposed_modules(model: torch.nn.Module) -> frozenset[str]:
+    """The LoRA layers whose base weight is stored ``[in, out]`` (PEFT's ``fan_in_fan_out``:
+    GPT-2-style ``Conv1D``), where a merge adds ``(B @ A).T``."""
+    return frozenset(
+        n for n, m in model.named_modules() if hasattr(m, "lora_A") and getattr(m, "fan_in_fan_out", False)
+    )
+
+
 def merged_tensors(
-    named: Iterable[tuple[str, torch.Tensor]], scaling: float
+    named: Iterable[tuple[str, torch.Tensor]], scaling: float, transposed: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named weights with each adapter folded in: ``W + scaling * B @ A``.
+    """Full HF-named weights with each adapter folded in: ``W + scaling * B @ A`` (transposed
+    for the modules in ``transposed``, see ``transposed_modules``).
 
     The stream is consumed in the parameters' own order (base weight, then its ``lora_A``,
     then ``lora_B``): a base weight is held (copied) until its two factors have passed. Yielded
@@ -160,7 +177,8 @@ def merged_tensors(
             parts[rest[0]] = tensor.detach().to("cpu", copy=True)
             if {"W", "A", "B"} <= parts.keys():
                 w, a, b = parts["W"], parts["A"], parts["B"]
-                merged = w.float() + scaling * (b.float() @ a.float())
+                delta = b.float() @ a.float()
+                merged = w.float() + scaling * (delta.T if module in transposed else delta)
                 yield f"{module}.weight", merged.to(w.dtype)
                 del held[module]
             continue

@@ -194,6 +194,7 @@ class PPOTrainer:
         self.engine_sync.release()
         with self.timer.phase("score", metrics):
             samples = self.maker.score_models(samples, self.engines_busy_while_training())
+        gap = logprob_gap(samples)  # before the behaviour log-probs replace the trainer's
         self.use_behaviour_policy(samples)
         with self.timer.phase("advantage", metrics):
             metrics.update(advantage_step(samples, self.cfg.algorithm))
@@ -205,6 +206,8 @@ class PPOTrainer:
         metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
         elapsed = time.perf_counter() - t0
         metrics.update(self.rollout_metrics(samples, batch.stats, self.cfg.train.max_tokens_per_microbatch))
+        if gap is not None:
+            metrics["rollout/logprob_gap"] = gap
         metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed})
         metrics["time/orchestration_s"] = elapsed - self._accounted(metrics)
         return metrics
@@ -324,7 +327,6 @@ class PPOTrainer:
 
     @staticmethod
     def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:
-        batch = concat(samples)
         scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
         m = {
             "reward/mean": float(scores.mean()),
@@ -344,10 +346,6 @@ class PPOTrainer:
             / len(samples),
         }
         m.update(packing_metrics(samples, budget))
-        if batch.rollout_logprobs is not None and batch.old_logprobs is not None and batch.action_mask.any():
-            # Engine vs trainer logprob gap: large values mean the weight sync or sampling is off.
-            gap = (batch.rollout_logprobs - batch.old_logprobs).abs()
-            m["rollout/logprob_gap"] = float(masked_mean(gap, batch.action_mask))
         return m
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -382,3 +380,15 @@ class PPOTrainer:
         self.pending_rollouts = ckpt.blobs.get(PENDING_ROLLOUTS, [])
         self.sync_weights()
         return True
+
+
+def logprob_gap(samples: list[Sample]) -> float | None:
+    """Engine vs trainer log-prob gap (token mean of ``|rollout - old|``), None when either is
+    missing. Large values mean the weight sync or the sampling is off (~1e-7 when right).
+    Under ``train.max_staleness >= 1`` it is taken before ``use_behaviour_policy`` replaces the
+    trainer's log-probs with the engine's (after that it would be 0 by construction); the samples
+    of older versions then add that policy change to it."""
+    batch = concat(samples)
+    if batch.rollout_logprobs is None or batch.old_logprobs is None or not batch.action_mask.any():
+        return None
+    return float(masked_mean((batch.rollout_logprobs - batch.old_logprobs).abs(), batch.action_mask))

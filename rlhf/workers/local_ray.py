@@ -71,6 +71,20 @@ def kill_session(sid: int, grace_s: float = 1.0, spare: int | None = None) -> No
             return
 
 
+def _same_auth_as_ray_init() -> None:
+    """Token authentication as a plain local ``ray.init()`` sets it up (on unless RAY_AUTH_MODE
+    says otherwise; a token in ~/.ray/auth_token, made if missing), in this process's environment
+    so that the head inherits it. ``ray start`` alone turns it on only when the token file exists,
+    and a driver joining an explicit address never does: they would disagree."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled({}, create_token_if_missing=True)
+
+
 class LocalRay:
     """``start()`` a Ray head of ``num_cpus`` CPUs in a session of its own; ``stop()`` ends it."""
 
@@ -82,6 +96,7 @@ class LocalRay:
     def start(self, timeout_s: float) -> str:
         """The head's address once it answers; ``TimeoutError`` (head stopped) if it does not
         within ``timeout_s``."""
+        _same_auth_as_ray_init()
         cmd = [sys.executable, "-m", "rlhf.workers.local_ray", str(self.num_cpus)]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True

@@ -62,7 +62,7 @@ class WorkerWeights:
     def _lora_weights(self, stream: Any, merged: bool) -> dict[str, torch.Tensor] | None:
         """A LoRA model's sync payload on rank 0: the adapter tensors (PEFT names), or the full
         HF-named weights with the adapter folded in. Every rank drains the (collective) stream."""
-        from rlhf.models.lora import adapter_tensors, merged_tensors
+        from rlhf.models.lora import adapter_tensors, merged_tensors, transposed_modules
 
         if self.rank != 0:
             for _ in stream:
@@ -70,7 +70,7 @@ class WorkerWeights:
             return None
         if not merged:
             return adapter_tensors(stream)
-        out = dict(merged_tensors(stream, self.lora.scaling))
+        out = dict(merged_tensors(stream, self.lora.scaling, transposed_modules(self.hf_model)))
         for name, value in self.hf_model.state_dict(keep_vars=True).items():
             if not isinstance(value, torch.nn.Parameter):
                 out[engine_param_name(name)] = value.detach().cpu().clone()

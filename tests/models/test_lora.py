@@ -90,3 +90,38 @@ def test_unknown_target_module_names_the_model_layers(tiny_llama_dir):
         ValueError, match=r"model.lora.target_modules/modules_to_save: llama has no module named \[.qkv.\]"
     ):
         apply_lora(model, LoraSettings(rank=4, target_modules=["qkv"]))
+
+
+def test_merged_weights_of_a_conv1d_model_equal_peft(tmp_path):
+    """GPT-2 stores its projections as Conv1D ``[in, out]`` (PEFT's fan_in_fan_out): the merge
+    must add ``(B @ A).T``. Without it a non-square layer (c_attn, 64 -> 192) cannot be merged and a
+    square one (attn.c_proj, 64 -> 64) is merged silently wrong. For such a model the merged sync
+    is the only way to the engine, so its merged weights must give PEFT's log-probs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from rlhf.models.lora import adapter_config, adapter_tensors, default_targets, transposed_modules
+
+    cfg = GPT2Config(vocab_size=300, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
+    settings = LoraSettings(rank=4, alpha=8.0)
+    assert default_targets("gpt2") == ["c_attn", "c_proj", "c_fc"]
+    model = trained_lora_model(tmp_path / "gpt2", settings)
+    assert "transformer.h.0.attn.c_attn" in transposed_modules(model)
+    merged = dict(merged_tensors(model.named_parameters(), settings.scaling, transposed_modules(model)))
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gpt2"), dtype=torch.float32).eval()
+    plain.load_state_dict(merged, strict=False)  # lm_head is tied to wte
+    # the reference: PEFT's own model over the exported adapter
+    out = write_adapter(
+        tmp_path / "adapter",
+        adapter_tensors(model.named_parameters()),
+        adapter_config(settings, "gpt2", str(tmp_path / "gpt2")),
+    )
+    base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gpt2"), dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
+    ours = torch.log_softmax(_logits(plain), -1)
+    theirs = torch.log_softmax(_logits(peft_model), -1)
+    assert (ours - theirs).abs().max().item() < 1e-4
+    with peft_model.disable_adapter():
+        assert (torch.log_softmax(_logits(peft_model), -1) - theirs).abs().max().item() > 1e-2

@@ -309,6 +309,10 @@ def test_one_step_off_with_gae_trains_on_stale_samples_and_syncs(world, tmp_path
     history = tr.fit()
     # batch 1 comes from the initial weights; every later one from the weights one step older
     assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0, 1.0]
+    # The engine/trainer gap still checks the sync: taken before the behaviour log-probs replace
+    # the trainer's (after, it was 0 by construction); stale batches add one update's change.
+    gaps = [h["rollout/logprob_gap"] for h in history]
+    assert gaps[0] < 1e-4 and all(0 < g < 0.5 for g in gaps[1:]), gaps
     for h in history:
         for key in (
             "policy/loss",
