@@ -20,9 +20,9 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
