@@ -28,7 +28,11 @@ def run(cfg: PPOConfig) -> list[dict]:
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir, prepare_nodes
 
-    reward_fn = Reward.from_config(cfg.reward) if cfg.reward.type == "function" and cfg.reward.specs else None
+    reward_fn = (
+        Reward.from_config(cfg.reward, cfg.label_key)
+        if cfg.reward.type == "function" and cfg.reward.specs
+        else None
+    )
     env_factory = env_factory_from(cfg.env)
     tools = env_factory.tools if env_factory is not None else None
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
@@ -57,6 +61,7 @@ def run(cfg: PPOConfig) -> list[dict]:
             label_key=cfg.eval.label_key or cfg.data.label_key,
             section="eval",
             tools=tools,
+            label_as=cfg.label_key,
         )
         eval_prompts = eval_prompts[: cfg.eval.max_prompts or None]
     init_ray(cfg.cluster)

@@ -95,11 +95,16 @@ class RewardConfig:
     timeout_s: float = 60.0  # longest one reward call (one sample, or one batch) may take
     model_path: str = ""  # sequence-classification dir when type=model
     non_finite: str = "error"  # error | drop: what a NaN/inf score does
+    # fail | zero | drop: what a reward call that raises does (zero and drop count in reward/errors)
+    on_error: str = "fail"
+    # the column the built-in verifiers read the label from; "" = data.label_key, else "answer"
+    label_key: str = ""
     clip: float = 10.0  # |score| clip after validation (0 = off)
 
     def __post_init__(self) -> None:
         _one_of("reward.type", self.type, ("function", "model"))
         _one_of("reward.non_finite", self.non_finite, ("error", "drop"))
+        _one_of("reward.on_error", self.on_error, ("fail", "zero", "drop"))
         _check(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
         _check(
             not self.weights or len(self.weights) == len(self.functions),
@@ -439,6 +444,12 @@ class PPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    @property
+    def label_key(self) -> str:
+        """The column the built-in verifiers read (``reward.label_key``, else ``data.label_key``,
+        else ``answer``); eval rows carry their label (``eval.label_key``) under this name too."""
+        return self.reward.label_key or self.data.label_key or "answer"
 
     @property
     def old_logprobs_are_current(self) -> bool:

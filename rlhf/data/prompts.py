@@ -68,6 +68,7 @@ def load_prompts(
     label_key: str = "",
     section: str = "data",
     tools: list[dict] | None = None,
+    label_as: str = "",
 ) -> tuple[list[Prompt], int]:
     """Load and tokenize prompts. Returns ``(prompts, num_skipped_overlong)``. ``tools`` (schemas)
     are rendered into the prompt by the chat template (tool-calling runs, ``env.tools``).
@@ -76,6 +77,8 @@ def load_prompts(
     ``data.max_prompt_len``; ``"skip"`` drops it and counts it. ``section`` (``data`` or
     ``eval``) is the config section errors name. Warns once when the tokenizer maps more than
     ``UNKNOWN_TOKEN_WARN`` of the prompt tokens to its unknown token (a model that cannot read the data).
+    ``label_as``: the ``label_key`` column is also put under this name (eval rows whose label
+    column differs from the one the verifiers read, ``PPOConfig.label_key``).
     """
     if source == "toy:count":
         rows = [(m, {}) for m in toy_count_messages(num_toy, seed)]
@@ -83,6 +86,8 @@ def load_prompts(
         raise ValueError(f"{section}.prompts={source!r}: unknown toy task (available: toy:count)")
     else:
         rows = read_prompt_rows(source, key, label_key, section)
+        if label_as and label_key and label_as != label_key:
+            rows = [(m, {**cols, label_as: cols[label_key]}) for m, cols in rows]
     prompts, skipped = [], 0
     for i, (msgs, columns) in enumerate(rows):
         text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)

@@ -11,8 +11,11 @@ code in the driver: only name code you trust.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
+import logging
 import math
 import numbers
 import threading
@@ -20,9 +23,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RewardFn = Callable[[str, str, dict], float]
+log = logging.getLogger("rlhf")
 
 
 class RewardFunctionError(RuntimeError):
@@ -36,14 +40,19 @@ def batched(fn: Callable) -> Callable:
 
 
 def _call_each(
-    fn: Callable, calls: Sequence[tuple], timeout_s: float, what: Callable[[int], str]
+    fn: Callable,
+    calls: Sequence[tuple],
+    timeout_s: float,
+    what: Callable[[int], str],
+    keep_going: bool = False,
 ) -> list[Any]:
     """``[fn(*args) for args in calls]`` on one daemon thread, each call bounded by ``timeout_s``.
 
     One thread for the batch, not one per call: starting a thread costs about as much as a
     rule-based reward. A call still running after ``timeout_s`` is an error naming it
     (``what(i)``); the thread is abandoned (Python cannot stop it, but it no longer blocks the
-    run). A call that raises is re-raised here with ``_CallFailed`` telling which one.
+    run). A call that raises is re-raised here with ``_CallFailed`` telling which one; with
+    ``keep_going`` its ``_CallFailed`` is its result instead and the next call runs.
     """
     results: list[Any] = []
     failure: list[BaseException] = []
@@ -54,10 +63,13 @@ def _call_each(
             try:
                 value = fn(*args)
             except BaseException as e:  # re-raised on the caller's thread
-                with cond:
-                    failure.append(_CallFailed(i, e))
-                    cond.notify()
-                return
+                if keep_going and isinstance(e, Exception):
+                    value = _CallFailed(i, e)
+                else:
+                    with cond:
+                        failure.append(_CallFailed(i, e))
+                        cond.notify()
+                    return
             with cond:
                 results.append(value)
                 cond.notify()
@@ -103,9 +115,15 @@ class RewardComponent:
     weight: float = 1.0
 
     def score(
-        self, prompts: Sequence[str], responses: Sequence[str], infos: Sequence[dict], timeout_s: float
-    ) -> list[float]:
-        """One float per sample. Raises ``RewardFunctionError`` naming the sample on failure."""
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        infos: Sequence[dict],
+        timeout_s: float,
+        keep_going: bool = False,
+    ) -> list[float | None]:
+        """One float per sample. Raises ``RewardFunctionError`` naming the sample on failure;
+        with ``keep_going`` a sample whose call raised gets None (and is logged) instead."""
         if getattr(self.fn, "batched", False):
             out = self._call(
                 [(list(prompts), list(responses), list(infos))], timeout_s, prompts, responses, batch=True
@@ -117,54 +135,115 @@ class RewardComponent:
                 )
         else:
             calls = list(zip(prompts, responses, infos, strict=True))
-            out = self._call(calls, timeout_s, prompts, responses)
-        return [_as_score(v, f"{self.name} for sample {i}") for i, v in enumerate(out)]
+            out = self._call(calls, timeout_s, prompts, responses, keep_going=keep_going)
+        scores: list[float | None] = []
+        for i, v in enumerate(out):
+            if isinstance(v, _CallFailed):
+                log.warning("%s", self._failure(v, prompts, responses).args[0])
+                scores.append(None)
+            else:
+                scores.append(_as_score(v, f"{self.name} for sample {i}"))
+        return scores
 
-    def _call(self, calls: list[tuple], timeout_s: float, prompts, responses, batch: bool = False) -> list:
-        def what(i: int) -> str:
-            return f"{self.name} on {'batch' if batch else f'sample {i}'}"
-
+    def _call(
+        self,
+        calls: list[tuple],
+        timeout_s: float,
+        prompts,
+        responses,
+        batch: bool = False,
+        keep_going: bool = False,
+    ) -> list:
         try:
-            return _call_each(self.fn, calls, timeout_s, what)
+            return _call_each(self.fn, calls, timeout_s, lambda i: self._what(i, batch), keep_going)
         except _CallFailed as failed:
-            e, i = failed.error, failed.index
-            if isinstance(e, RewardFunctionError):
-                raise e from None
-            p, r = (prompts[0], responses[0]) if batch else (prompts[i], responses[i])
-            raise RewardFunctionError(
-                f"{what(i)} raised ({type(e).__name__}: {e}); prompt={p[:80]!r} response={r[:80]!r}. "
-                "Fix the function or make it return a float for this input."
-            ) from e
+            raise self._failure(failed, prompts, responses, batch) from failed.error
+
+    def _what(self, i: int, batch: bool = False) -> str:
+        return f"{self.name} on {'batch' if batch else f'sample {i}'}"
+
+    def _failure(self, failed: _CallFailed, prompts, responses, batch: bool = False) -> RewardFunctionError:
+        e, i = failed.error, failed.index
+        if isinstance(e, RewardFunctionError):
+            return e
+        p, r = (prompts[0], responses[0]) if batch else (prompts[i], responses[i])
+        return RewardFunctionError(
+            f"{self._what(i, batch)} raised ({type(e).__name__}: {e}); prompt={p[:80]!r} response={r[:80]!r}. "
+            "Fix the function or make it return a float for this input (or set reward.on_error=zero|drop)."
+        )
+
+
+class Scores(NamedTuple):
+    """What ``Reward`` gives for a batch: the weighted total per sample (NaN for a sample whose
+    call raised under ``on_error=drop``), each component's own scores, and the samples whose
+    call raised (``on_error`` zero or drop)."""
+
+    totals: list[float]
+    parts: dict[str, list[float]]
+    errors: list[int]
 
 
 class Reward:
-    """The weighted sum of reward components, each call bounded by ``timeout_s``."""
+    """The weighted sum of reward components, each call bounded by ``timeout_s``.
 
-    def __init__(self, components: Sequence[RewardComponent], timeout_s: float = 60.0):
+    ``on_error`` (``reward.on_error``) is what a call that raises does: ``fail`` ends the step
+    with an error naming the sample (the default: a broken reward should not train quietly);
+    ``zero`` scores that component 0 for the sample; ``drop`` leaves the sample out (its total
+    is NaN, which the experience maker drops with its group). Both count in ``reward/errors``.
+    A call that hangs past ``timeout_s`` always fails the step.
+    """
+
+    ON_ERROR = ("fail", "zero", "drop")
+
+    def __init__(
+        self, components: Sequence[RewardComponent], timeout_s: float = 60.0, on_error: str = "fail"
+    ):
         if not components:
             raise ValueError("a reward needs at least one function")
-        self.components, self.timeout_s = list(components), timeout_s
+        if on_error not in self.ON_ERROR:
+            raise ValueError(f"reward.on_error={on_error!r}: choose one of {self.ON_ERROR}")
+        self.components, self.timeout_s, self.on_error = list(components), timeout_s, on_error
 
     @classmethod
-    def from_config(cls, reward_cfg) -> Reward:
-        """``reward.functions`` with ``reward.weights`` (default 1 each), else ``reward.function``."""
+    def from_config(cls, reward_cfg, label_key: str = "answer") -> Reward:
+        """``reward.functions`` with ``reward.weights`` (default 1 each), else ``reward.function``.
+        The built-in verifiers read their label from column ``label_key``."""
         specs = reward_cfg.specs
         weights = list(reward_cfg.weights) or [1.0] * len(specs)
         comps = [
-            RewardComponent(_short_name(s), load_reward_fn(s), float(w))
+            RewardComponent(_short_name(s), _with_label_key(load_reward_fn(s), label_key), float(w))
             for s, w in zip(specs, weights, strict=True)
         ]
-        return cls(comps, reward_cfg.timeout_s)
+        return cls(comps, reward_cfg.timeout_s, reward_cfg.on_error)
 
-    def __call__(
-        self, prompts: Sequence[str], responses: Sequence[str], infos: Sequence[dict]
-    ) -> tuple[list[float], dict[str, list[float]]]:
-        """Total score per sample and each component's own scores (unweighted)."""
-        parts = {c.name: c.score(prompts, responses, infos, self.timeout_s) for c in self.components}
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str], infos: Sequence[dict]) -> Scores:
+        """Total score per sample, each component's own scores (unweighted), the failed samples."""
+        keep_going = self.on_error != "fail"
+        raw = {
+            c.name: c.score(prompts, responses, infos, self.timeout_s, keep_going) for c in self.components
+        }
+        errors = sorted({i for scores in raw.values() for i, v in enumerate(scores) if v is None})
+        parts = {k: [0.0 if v is None else v for v in scores] for k, scores in raw.items()}
         totals = [
-            math.fsum(c.weight * parts[c.name][i] for c in self.components) for i in range(len(prompts))
+            math.nan
+            if self.on_error == "drop" and i in errors
+            else math.fsum(c.weight * parts[c.name][i] for c in self.components)
+            for i in range(len(prompts))
         ]
-        return totals, parts
+        return Scores(totals, parts, errors)
+
+
+def _with_label_key(fn: Callable, label_key: str) -> Callable:
+    """A built-in verifier reading its label from ``label_key`` (``reward.label_key``); any
+    other function as it is (it reads ``info`` itself)."""
+    if (
+        getattr(fn, "__module__", "") != "rlhf.rewards.verifiers"
+        or "key" not in inspect.signature(fn).parameters
+    ):
+        return fn
+    bound = functools.partial(fn, key=label_key)
+    functools.update_wrapper(bound, fn)
+    return bound
 
 
 def _short_name(spec: str) -> str:

@@ -66,7 +66,8 @@ def _label(info: dict, key: str) -> str:
     if key not in info or info[key] is None:
         raise KeyError(
             f"the verifier needs the label column {key!r} in the prompt data (info has {sorted(info)}); "
-            "set data.label_key to check every row up front"
+            "name the label column with reward.label_key (default: data.label_key, else 'answer'), and set "
+            "data.label_key to check every row up front"
         )
     label = info[key]
     # GSM8K stores the whole solution: its final answer follows '####'.

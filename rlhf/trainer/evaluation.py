@@ -58,7 +58,10 @@ class Evaluator:
                 for i, (p, comps) in enumerate(zip(self.prompts, outs, strict=True))
                 for c in comps
             ]
-        flat = self.maker.rewards(samples, RolloutStats())
+        errored: set[int] = set()
+        flat = self.maker.rewards(samples, RolloutStats(), errored)
+        # a held-out answer whose reward call raised (reward.on_error=zero|drop) is a wrong answer
+        flat = [0.0 if i in errored else r for i, r in enumerate(flat)]
         return [flat[i * n : (i + 1) * n] for i in range(len(self.prompts))], [s.num_actions for s in samples]
 
     def run(self) -> dict[str, float]:

@@ -33,6 +33,7 @@ class RolloutStats:
     empty_responses: int = 0
     truncated: int = 0  # stopped by max_new_tokens / max_model_len
     dropped_non_finite: int = 0
+    reward_errors: int = 0  # reward calls that raised, under reward.on_error=zero|drop
     overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
     reward_components: dict[str, float] = field(default_factory=dict)  # mean of each weighted part
     agent: dict[str, float] = field(default_factory=dict)  # agent/* metrics of multi-turn rollouts
@@ -50,6 +51,7 @@ class RolloutStats:
             empty_responses=self.empty_responses + other.empty_responses,
             truncated=self.truncated + other.truncated,
             dropped_non_finite=self.dropped_non_finite + other.dropped_non_finite,
+            reward_errors=self.reward_errors + other.reward_errors,
             overlong_penalty_mean=mean(self.overlong_penalty_mean, other.overlong_penalty_mean),
             reward_components={
                 k: mean(self.reward_components.get(k, 0.0), other.reward_components.get(k, 0.0)) for k in keys
@@ -196,11 +198,15 @@ class ExperienceMaker:
         inf are removed (and counted in ``stats``); with ``error`` such a score fails the step
         before any model is updated.
         """
-        scores = self.rewards(samples, stats)
+        errored: set[int] = set()
+        scores = self.rewards(samples, stats, errored)
         bad = set(non_finite_indices(scores))
         if bad:
-            if self.cfg.reward.non_finite == "error":
-                i = min(bad)
+            # under reward.on_error=drop a sample whose reward call raised is dropped as asked
+            if self.cfg.reward.non_finite == "error" and bad - (
+                errored if self.cfg.reward.on_error == "drop" else set()
+            ):
+                i = min(bad - errored)
                 raise RewardFunctionError(
                     f"reward for sample {i} is {scores[i]} ({len(bad)} of {len(scores)} samples non-finite); "
                     "fix the reward, or set reward.non_finite=drop to drop such samples (they are counted)"
@@ -259,8 +265,11 @@ class ExperienceMaker:
                 setattr(s, name, out.float())
         return samples
 
-    def rewards(self, samples: list[Sample], stats: RolloutStats) -> list[float]:
-        """Per sample: the environment's reward where it gave one, else the reward model/function."""
+    def rewards(
+        self, samples: list[Sample], stats: RolloutStats, errored: set[int] | None = None
+    ) -> list[float]:
+        """Per sample: the environment's reward where it gave one, else the reward model/function.
+        The samples whose reward call raised (``reward.on_error`` zero or drop) go into ``errored``."""
         scores = [s.env_reward for s in samples]
         rest = [i for i, r in enumerate(scores) if r is None]
         if not rest:
@@ -275,7 +284,7 @@ class ExperienceMaker:
                 "return a reward from the environment's last step, or set reward.function"
             )
         else:
-            model_scores, parts = self.reward(
+            model_scores, parts, errors = self.reward(
                 [s.prompt or "" for s in todo],
                 [
                     s.final_response
@@ -285,6 +294,9 @@ class ExperienceMaker:
                 ],
                 [s.info for s in todo],
             )
+            stats.reward_errors += len(errors)
+            if errored is not None:
+                errored.update(rest[i] for i in errors)
             if parts:  # one function too: reward/<fn> names what scored the run
                 stats.reward_components = {k: math.fsum(v) / len(v) for k, v in parts.items()}
         for i, r in zip(rest, model_scores, strict=True):

@@ -338,6 +338,7 @@ class PPOTrainer:
             "rollout/empty_responses": rstats.empty_responses,
             "rollout/truncated": rstats.truncated,
             "rollout/dropped_non_finite": rstats.dropped_non_finite,
+            "reward/errors": float(rstats.reward_errors),
             "reward/overlong_penalty_mean": rstats.overlong_penalty_mean,
             **{f"reward/{k}": v for k, v in rstats.reward_components.items()},
             **rstats.agent,

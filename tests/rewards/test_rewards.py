@@ -90,7 +90,7 @@ def test_weighted_components_and_a_batched_function():
         return float(r == info["answer"])
 
     reward = Reward([RewardComponent("answer", answer, 0.9), RewardComponent("lengths", lengths, 0.1)])
-    totals, parts = reward(
+    totals, parts, _ = reward(
         ["p", "p", "p"], ["3", "44", "3"], [{"answer": "3"}, {"answer": "3"}, {"answer": "4"}]
     )
     assert calls == [3]  # one call for the batch
@@ -121,7 +121,7 @@ def test_reward_from_config(tmp_path):
         ],
     )
     reward = Reward.from_config(cfg.reward)
-    totals, parts = reward(["q"], ["#### 7"], [{"answer": "7"}])
+    totals, parts, _ = reward(["q"], ["#### 7"], [{"answer": "7"}])
     assert totals == [1.5] and set(parts) == {"exact_match_reward", "format_reward"}
     with pytest.raises(ConfigError, match="reward.weights has 1 entries for 2"):
         compose("ppo", ["data.prompts=prompts.jsonl", "reward.functions=[a:b,c:d]", "reward.weights=[1.0]"])
@@ -168,3 +168,63 @@ def test_a_raising_sample_in_a_batch_is_named_with_its_own_text():
 
     with pytest.raises(RewardFunctionError, match=r"sample 1 raised \(KeyError.*response='b'"):
         RewardComponent("second_raises", second_raises).score(["p"] * 3, list("abc"), [{}] * 3, timeout_s=5)
+
+
+def test_the_built_in_verifiers_read_the_label_column_the_config_names():
+    """data.label_key=target (or reward.label_key) reaches the built-in verifiers: they read a
+    fixed info["answer"] before and failed with a KeyError on every row."""
+    from rlhf.config import compose
+    from rlhf.rewards import Reward
+
+    fns = "reward.functions=[rlhf.rewards.verifiers:exact_match_reward,rlhf.rewards.verifiers:math_verify_reward]"
+    for overrides, key in (
+        (["data.label_key=target"], "target"),
+        (["data.label_key=target", "reward.label_key=gold"], "gold"),
+        ([], "answer"),
+    ):
+        cfg = compose("ppo", ["data.prompts=p.jsonl", fns, *overrides])
+        assert cfg.label_key == key
+        totals, parts, errors = Reward.from_config(cfg.reward, cfg.label_key)(
+            ["q", "q"], ["#### 7", "#### 8"], [{key: "7"}, {key: "7"}]
+        )
+        assert totals == [2.0, 0.0] and errors == []
+    user_fn = Reward.from_config(
+        compose("ppo", ["data.prompts=p.jsonl", "reward.function=rlhf.rewards.toy:count_reward"]).reward, "x"
+    )
+    assert user_fn.components[0].fn is count_reward  # a user's own function is not rebound
+
+
+def test_eval_rows_carry_their_label_under_the_training_name(tmp_path, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from rlhf.data.prompts import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"question": "count 1", "target": "2"}\n')
+    (p,), _ = load_prompts(str(path), tok, "question", label_key="target", section="eval", label_as="answer")
+    assert p.info["answer"] == "2" and p.info["target"] == "2"
+
+
+@pytest.mark.parametrize("on_error", ["fail", "zero", "drop"])
+def test_a_reward_that_raises_on_some_rows_fails_scores_zero_or_drops(on_error):
+    from rlhf.rewards import Reward, RewardComponent
+
+    def picky(p, r, info):
+        if r == "bad":
+            raise ValueError("cannot parse")
+        return 1.0
+
+    reward = Reward(
+        [RewardComponent("picky", picky), RewardComponent("one", lambda p, r, i: 0.5)], 5.0, on_error
+    )
+    if on_error == "fail":
+        with pytest.raises(RewardFunctionError, match="picky on sample 1 raised .ValueError: cannot parse"):
+            reward(["p"] * 3, ["ok", "bad", "ok"], [{}] * 3)
+        return
+    totals, parts, errors = reward(["p"] * 3, ["ok", "bad", "ok"], [{}] * 3)
+    assert errors == [1] and parts["picky"] == [1.0, 0.0, 1.0]
+    if on_error == "zero":
+        assert totals == [1.5, 0.5, 1.5]
+    else:
+        assert totals[0] == totals[2] == 1.5 and math.isnan(totals[1])

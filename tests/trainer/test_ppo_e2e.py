@@ -211,6 +211,25 @@ def test_non_finite_reward_error_or_drop(world, tmp_path):
         ids = {id(k) for k in kept}
         assert id(batch[0]) not in ids and (id(batch[1]) in ids) == (advantage == "gae")
 
+    # reward.on_error=drop: the first sample's call raises; it leaves with its group (grpo),
+    # counted in reward/errors, while non_finite stays "error" for genuine NaN scores
+    def first_raises(prompt, response, info):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("unparsable")
+        return 1.0
+
+    calls.clear()
+    tr.maker.cfg = dataclasses.replace(
+        tr.maker.cfg, reward=dataclasses.replace(tr.cfg.reward, non_finite="error", on_error="drop")
+    )
+    tr.maker.reward = Reward([RewardComponent("first_raises", first_raises)], on_error="drop")
+    from rlhf.trainer.experience import RolloutStats
+
+    drop_stats = RolloutStats()
+    kept = tr.maker.score(copy.deepcopy(samples), drop_stats)
+    assert drop_stats.reward_errors == 1 and len(kept) == len(samples) - 2
+
 
 def test_empty_response_trains_without_nan(world, tmp_path):
     from rlhf.data.types import Sample
