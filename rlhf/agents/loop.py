@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rlhf.agents.bounded import BoundedCalls
-from rlhf.agents.chat_delta import ChatDelta
+from rlhf.agents.chat_delta import ChatDelta, TemplateDriftError
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
 from rlhf.envs.base import StepResult, ToolStats
@@ -55,6 +55,7 @@ class AgentStats:
     turns: int = 0
     env_errors: int = 0  # env.step raised: the trajectory ends there
     env_timeouts: int = 0  # env.step past env.step_timeout_s: the trajectory ends there
+    template_drift: int = 0  # trajectories the chat template renders differently as a whole
     tools: ToolStats = field(default_factory=ToolStats)
     wall_s: float = 0.0
     engine_busy_s: float = 0.0  # summed over engines, from their step counters
@@ -69,6 +70,7 @@ class AgentStats:
             f"{prefix}/malformed_calls": float(self.tools.malformed),
             f"{prefix}/tool_time_s": self.tools.time_s,
             f"{prefix}/env_errors": float(self.env_errors + self.env_timeouts),
+            f"{prefix}/template_drift": float(self.template_drift),
             f"{prefix}/engine_busy_fraction": self.engine_busy_s / max(self.wall_s * num_engines, 1e-9),
         }
 
@@ -81,6 +83,11 @@ class _Trajectory:
         self.turn, self.done, self.env_reward, self.finish_reason = 0, False, None, None
         self.final_response: str | None = None
         self.has_logprobs = True
+        # the conversation so far, and where each part starts (the drift check at the end)
+        self.messages: list[dict] | None = list(prompt.messages) if prompt.messages is not None else None
+        self.parts: list[tuple[int, str]] = [(0, "the prompt (system and user turns)")]
+        self.unterminated: list[int] = []  # ends of turns cut before their end-of-turn token
+        self.drift: str | None = None
 
     def append(self, ids: list[int], logprobs: list[float] | None, action: bool) -> None:
         self.ids += ids
@@ -116,6 +123,10 @@ class AgentLoop:
         max_turns, max_model_len, max_observation_tokens, step_timeout_s, max_concurrency,
         lockstep: ``env.*`` / ``rollout.*`` settings.
         tools: tool schemas rendered into the prompt (``apply_chat_template(tools=...)``).
+        on_template_drift: ``env.on_template_drift``: a trajectory whose tokens are not the
+            template's rendering of its whole conversation fails the step (``error``, after
+            every trajectory ended, before any update) or leaves out its group (``drop``);
+            evaluation keeps it. Counted in ``agent/template_drift``.
     """
 
     def __init__(
@@ -132,6 +143,7 @@ class AgentLoop:
         max_concurrency: int,
         lockstep: bool = False,
         tools: list[dict] | None = None,
+        on_template_drift: str = "error",
     ):
         self.pool, self.tok, self.env_factory = pool, tokenizer, env_factory
         self.sampling = self._sampling = {**sampling, "n": 1}
@@ -139,6 +151,7 @@ class AgentLoop:
         self.max_obs, self.step_timeout_s, self.lockstep = max_observation_tokens, step_timeout_s, lockstep
         self.threads = BoundedCalls(max_concurrency, "env")
         self.delta = ChatDelta(tokenizer, tools) if getattr(tokenizer, "chat_template", None) else None
+        self.on_template_drift = on_template_drift
 
     # ---------------------------------------------------------------- the run
     def run(
@@ -165,7 +178,40 @@ class AgentLoop:
         stats.wall_s = time.perf_counter() - t0
         stats.engine_busy_s = self._engine_busy() - busy0
         stats.turns = sum(t.turn for t in trajs)
+        trajs = self._handle_drift(trajs, stats, training=sampling is None)
         return [t.to_sample() for t in trajs], stats
+
+    def _handle_drift(self, trajs: list[_Trajectory], stats: AgentStats, training: bool) -> list[_Trajectory]:
+        """Check each trajectory against the rendering of its whole conversation (one render each)
+        and apply ``on_template_drift`` to those that differ."""
+        for t in trajs:
+            if t.drift is None and self.delta is not None and t.messages is not None:
+                t.drift = self.delta.drift(t.ids, t.messages, t.parts, t.unterminated)
+        drifted = [t for t in trajs if t.drift is not None]
+        stats.template_drift = len(drifted)
+        if not drifted or not training:
+            return trajs
+        if self.on_template_drift == "error":
+            raise TemplateDriftError(
+                f"{len(drifted)} of {len(trajs)} trajectories are not what the chat template renders for their "
+                f"conversation; trajectory {drifted[0].index}: {drifted[0].drift}. Nothing was trained on them. "
+                "Use a template that renders each turn independently of later ones, or set "
+                "env.on_template_drift=drop to leave such trajectories (and their groups) out"
+            )
+        groups = {t.group_id for t in drifted}
+        kept = [t for t in trajs if t.group_id not in groups]
+        log.warning(
+            "%d trajectories drifted from the chat template's rendering (%s); dropping their %d groups "
+            "(env.on_template_drift=drop)",
+            len(drifted),
+            drifted[0].drift,
+            len(groups),
+        )
+        if not kept:
+            raise TemplateDriftError(
+                f"every trajectory of the batch drifted from the chat template: {drifted[0].drift}"
+            )
+        return kept
 
     def _start(self, prompts: list[Prompt], n: int, group_base: int) -> list[_Trajectory]:
         trajs = []
@@ -257,7 +303,12 @@ class AgentLoop:
 
     def _after_generation(self, t: _Trajectory, comp: dict) -> bool:
         """Append the turn; True if the environment should answer it."""
+        t.parts.append((len(t.ids), f"assistant turn {t.turn + 1}"))
         t.append(comp["token_ids"], comp["logprobs"], action=True)
+        if t.messages is not None and self.delta is not None:
+            t.messages.append(
+                {"role": "assistant", "content": self.delta.assistant_content(comp["token_ids"])}
+            )
         t.turn += 1
         t.finish_reason = comp.get("finish_reason")
         # a turn cut at max_new_tokens still goes to the environment: it decides (e.g. a malformed call)
@@ -293,11 +344,23 @@ class AgentLoop:
         if res.done:
             t.done, t.env_reward = True, res.reward
             return False
-        obs = self._observation_tokens(res)
+        try:
+            obs = self._observation_tokens(res)
+        except TemplateDriftError as e:  # e.g. the template's date changed: the trajectory ends
+            t.done, t.drift = True, str(e)
+            return False
         if len(obs) >= self.max_len - 1 - len(t.ids):
             t.done = True  # no room for another policy turn
             return False
+        if self.delta is not None and t.mask[-1] and t.ids[-1] != self.delta.end_of_turn:
+            t.unterminated.append(len(t.ids))
+        t.parts.append((len(t.ids), f"the observation after assistant turn {t.turn}"))
         t.append(obs, None, action=False)
+        if t.messages is not None:
+            if res.messages is None:
+                t.messages = None  # a text observation: no conversation to render, no check
+            else:
+                t.messages.extend(res.messages)
         return True
 
     def _observation_tokens(self, res: StepResult) -> list[int]:

@@ -29,6 +29,9 @@ class EnvConfig:
     sandbox_wall_s: float = 5.0  # the python tool: wall-clock, CPU, memory limits
     sandbox_cpu_s: int = 5
     sandbox_memory_mb: int = 512
+    # error | drop: a trajectory the chat template renders differently as a whole conversation
+    # (rlhf.agents.chat_delta); error fails the step before any update, drop leaves out its group
+    on_template_drift: str = "error"
 
     def __post_init__(self) -> None:
         _check(
@@ -40,6 +43,10 @@ class EnvConfig:
             "set env.name (an environment of your own) or env.tools (the built-in tool environment), not both",
         )
         _check(self.max_turns >= 1, "env.max_turns must be >= 1")
+        _check(
+            self.on_template_drift in ("error", "drop"),
+            f"env.on_template_drift must be error or drop, got {self.on_template_drift!r}",
+        )
         _check(
             self.tool_timeout_s > 0 and self.step_timeout_s > 0,
             "env.tool_timeout_s and env.step_timeout_s must be > 0",

@@ -16,6 +16,7 @@ class Prompt:
     text: str
     token_ids: list[int]
     info: dict = field(default_factory=dict)
+    messages: list[dict] | None = None  # the chat it was rendered from (the agent loop's drift check)
 
 
 def toy_count_messages(n: int, seed: int) -> list[list[dict]]:
@@ -100,7 +101,8 @@ def load_prompts(
                 f"prompt {i} has {len(ids)} tokens, more than data.max_prompt_len={max_len}: raise "
                 "data.max_prompt_len (and rollout.max_model_len) or set data.overlong_prompts=skip"
             )
-        prompts.append(Prompt(text=text, token_ids=ids, info={**columns, "index": columns.get("index", i)}))
+        info = {**columns, "index": columns.get("index", i)}
+        prompts.append(Prompt(text=text, token_ids=ids, info=info, messages=list(msgs)))
     if not prompts:
         raise ValueError(
             f"{section}.prompts={source!r}: every prompt was longer than data.max_prompt_len={max_len}"

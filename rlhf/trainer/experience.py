@@ -180,6 +180,7 @@ class ExperienceMaker:
             # the hf backend serves one call at a time: turn by turn is all it can do
             lockstep=e.loop == "lockstep" or r.backend == "hf",
             tools=getattr(self.env_factory, "tools", None),
+            on_template_drift=e.on_template_drift,
         )
 
     def request_seed(self, group_base: int, turn: int = 0) -> int:

@@ -182,3 +182,53 @@ def test_the_readme_tool_and_environment_run_in_the_loop(pool, tok):
     )  # fmt: skip
     (s,), stats = loop.run(prompts, 1, batch=0, group_base=0)
     assert s.turns == 3 and s.env_reward == 0.0  # a random model does not guess "7" in 3 tries
+
+
+class ToolOnEvenPrompts:
+    """Even-numbered prompts get one tool turn (role tool messages), odd ones end at once."""
+
+    def reset(self, prompt: str, info: dict) -> None:
+        self.even, self.turn = info["index"] % 2 == 0, 0
+
+    def step(self, response: str) -> StepResult:
+        self.turn += 1
+        if not self.even or self.turn > 1:
+            return StepResult(done=True, reward=1.0)
+        return StepResult(done=False, messages=[{"role": "tool", "content": "3"}])
+
+
+@pytest.mark.parametrize("mode", ["error", "drop"])
+def test_template_drift_fails_the_step_or_drops_its_groups(pool, tiny_llama_dir, mode):
+    """A template that renders earlier assistant turns differently (here: their first character
+    cut) drifts on the trajectories with a tool turn only. ``error`` names it after every
+    trajectory ended; ``drop`` leaves out their groups and counts them; evaluation keeps them."""
+    from transformers import AutoTokenizer
+
+    from rlhf.agents.chat_delta import TemplateDriftError
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tok.chat_template = tok.chat_template.replace(
+        "m['content']", "(m['content'][1:] if m['role'] == 'assistant' and not loop.last else m['content'])"
+    )
+    assert "[1:]" in tok.chat_template, "the tiny tokenizer's template changed: adapt the test"
+    chats = [[{"role": "user", "content": f"count {i}"}] for i in range(4)]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    prompts = [
+        Prompt(t, tok(t, add_special_tokens=False)["input_ids"], {"index": i}, messages=c)
+        for i, (t, c) in enumerate(zip(texts, chats, strict=True))
+    ]
+    loop = AgentLoop(
+        pool, tok, ToolOnEvenPrompts, {"temperature": 1.0, "max_tokens": 4}, seed=7, max_turns=3, max_model_len=256,
+        max_observation_tokens=8, step_timeout_s=30, max_concurrency=4, on_template_drift=mode,
+    )  # fmt: skip
+    if mode == "error":
+        with pytest.raises(
+            TemplateDriftError, match="4 of 8 trajectories are not what the chat template renders"
+        ):
+            loop.run(prompts, 2, batch=0, group_base=0)
+        return
+    samples, stats = loop.run(prompts, 2, batch=0, group_base=0)
+    assert stats.template_drift == 4 and stats.metrics()["agent/template_drift"] == 4.0
+    assert sorted({s.group_id for s in samples}) == [1, 3] and len(samples) == 4
+    evaluated, _ = loop.run(prompts, 2, batch=-1, group_base=0, sampling={"temperature": 0.0})
+    assert len(evaluated) == 8
