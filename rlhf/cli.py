@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import CONF_DIR, SCHEMAS, ConfigError, compose, to_object
+from rlhf.config import CONF_DIR, SCHEMAS, ConfigError, compose, compose_raw, to_object
 from rlhf.data.chat import DataRowError
 from rlhf.rewards import RewardFunctionError
 from rlhf.workers.node_files import NodeFilesError
@@ -83,13 +83,35 @@ def _hydra_errors() -> tuple[type[BaseException], ...]:
     return (HydraException, OmegaConfBaseException)
 
 
-def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
-    """Compose and validate like the job will; raise ``ConfigError`` with one clear message."""
+def _override_type_message(e: BaseException, overrides: Sequence[str]) -> str | None:
+    """``train.num_steps=abc`` -> what the field holds and what was given, from OmegaConf's
+    validation error under Hydra's "Error merging override"."""
+    cause = e
+    while cause is not None and getattr(cause, "full_key", None) is None:
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", None)
+    if not key:
+        return None
+    given = next((a.split("=", 1)[1] for a in overrides if a.split("=", 1)[0].lstrip("+~") == key), "?")
+    text = str(cause).split("\n", 1)[0]
+    if "is not a ListConfig" in text:
+        return f"{key}={given}: {key} is a list; write {key}=[{given}] (several: {key}=[a,b])"
+    for word, kind in (("Integer", "an integer"), ("Float", "a number"), ("valid bool", "true or false")):
+        if word in text:
+            return f"{key}={given}: {key} must be {kind}, got {given!r}"
+    return f"{key}={given}: {text}"
+
+
+def check_overrides(config_name: str, overrides: Sequence[str]) -> Any:
+    """Compose and validate like the job will; returns the config, or raises ``ConfigError``
+    with one clear message."""
     own = [a for a in overrides if not a.startswith("hydra.")]
     try:
-        compose(config_name, own)
+        return compose(config_name, own)
     except _hydra_errors() as e:
-        msg = unknown_key_message(config_name, own) or f"invalid config: {e}"
+        msg = (
+            unknown_key_message(config_name, own) or _override_type_message(e, own) or f"invalid config: {e}"
+        )
         if "mismatched input" in str(e) or "token recognition error" in str(e):
             msg += (
                 "\nA value with '=', '&', ',' or spaces (a storage URI with a query, say) must be quoted "
@@ -98,8 +120,23 @@ def check_overrides(config_name: str, overrides: Sequence[str]) -> None:
         raise ConfigError(msg) from e
 
 
-def report_user_error(e: BaseException, log_dir: Path | None) -> int:
-    """Print ``e`` as one message and write its traceback to a file; returns the exit code."""
+def log_dir_for(config_name: str, overrides: Sequence[str]) -> Path | None:
+    """Where a config error's traceback goes: ``<train.output_dir>/logs`` of the command line's
+    run (its own output dir, or the config's default), None if even that cannot be composed."""
+    from omegaconf import OmegaConf
+
+    from rlhf.storage import local_mirror
+
+    keep = [a for a in overrides if a.split("=", 1)[0].lstrip("+~") in ("train.output_dir", "experiment")]
+    try:  # only what decides the output dir: nothing else that could fail again
+        return local_mirror(OmegaConf.select(compose_raw(config_name, keep), "train.output_dir")) / "logs"
+    except Exception:  # noqa: BLE001 - no better place than the temp dir
+        return None
+
+
+def report_user_error(e: BaseException, log_dir: Path | None, with_type: bool = False) -> int:
+    """Print ``e`` as one message (``with_type``: led by its class, for failures that are not a
+    user's mistake) and write its traceback to ``log_dir/error.log``; returns the exit code."""
     log_dir = log_dir or Path(tempfile.gettempdir())
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +146,8 @@ def report_user_error(e: BaseException, log_dir: Path | None) -> int:
     except OSError:
         where = ""
     msg = str(e).strip() or type(e).__name__
+    if with_type:
+        msg = f"{type(e).__name__}: {msg}"
     print(f"error: {msg}{where}", file=sys.stderr, flush=True)
     return USER_ERROR_EXIT
 
@@ -147,35 +186,83 @@ def run_summary(history: list[dict], output_dir: str | Path, wall_s: float) -> s
 
 
 def run_job(run: Callable[[Any], list[dict]], cfg: Any) -> None:
-    """``run(cfg)`` with preemption handling; a user error exits 2, success prints the summary."""
+    """``run(cfg)`` with preemption handling; a user error exits 2, any other failure prints one
+    message and exits 1 (the traceback goes to ``<train.output_dir>/logs/error.log``), success
+    prints the summary."""
     from rlhf.storage import local_mirror
     from rlhf.trainer.run_control import exit_on_preemption
 
     t0 = time.perf_counter()
+    log_dir = local_mirror(cfg.train.output_dir) / "logs"
     try:
         history = exit_on_preemption(run, cfg)
     except USER_ERRORS as e:
-        raise SystemExit(report_user_error(e, local_mirror(cfg.train.output_dir) / "logs")) from None
+        raise SystemExit(report_user_error(e, log_dir)) from None
+    except Exception as e:  # noqa: BLE001 - a failure, not a mistake: one message, exit 1
+        report_user_error(e, log_dir, with_type=True)
+        raise SystemExit(1) from None
     print("\n" + run_summary(history or [], cfg.train.output_dir, time.perf_counter() - t0), flush=True)
 
 
+def _cfg_mode(argv: Sequence[str]) -> str | None:
+    """The part Hydra's ``--cfg``/``-c`` would print (job, hydra, all), or None."""
+    for i, a in enumerate(argv):
+        if a in ("--cfg", "-c") and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--cfg="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def print_config(config_name: str, overrides: Sequence[str]) -> None:
+    """``--cfg job``: the validated config as YAML, credentials in storage URIs masked."""
+    from omegaconf import OmegaConf
+
+    from rlhf.storage import redact
+
+    check_overrides(config_name, overrides)  # the same validation as a run
+    cfg = OmegaConf.to_container(compose_raw(config_name, list(overrides)), resolve=True)
+
+    def mask(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: mask(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [mask(x) for x in v]
+        return redact(v) if isinstance(v, str) and "://" in v else v
+
+    print(OmegaConf.to_yaml(mask(cfg)), end="")
+
+
 def main(config_name: str, run: Callable[[Any], list[dict]]) -> None:
-    """The ``__main__`` of an entry point: check the command line, then run the Hydra job."""
+    """The ``__main__`` of an entry point: check the command line, then run the Hydra job.
+
+    ``--check``: validate the config and data and exit (``rlhf.check``, no Ray, no workers);
+    ``--cfg job``: print the validated config (credentials masked) and exit; other ``-`` flags
+    are Hydra's own (``--help``, ``-m``)."""
     import hydra
 
     argv = sys.argv[1:]
-    if not any(a.startswith("-") for a in argv):  # --help, --cfg, -m: Hydra's own modes
-        try:
+    own = [a for a in argv if not a.startswith("-") and a not in ("job", "hydra", "all")]
+    try:
+        if "--check" in argv:
+            from rlhf.check import run_check
+
+            run_check(config_name, check_overrides(config_name, own))
+            return
+        if _cfg_mode(argv) == "job":
+            print_config(config_name, own)
+            return
+        if not any(a.startswith("-") for a in argv):
             check_overrides(config_name, argv)
-        except ConfigError as e:
-            raise SystemExit(report_user_error(e, None)) from None
+    except USER_ERRORS as e:
+        raise SystemExit(report_user_error(e, log_dir_for(config_name, own))) from None
 
     @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base=None)
     def job(dict_cfg: Any) -> None:
         try:
             cfg = to_object(dict_cfg)
         except ConfigError as e:
-            raise SystemExit(report_user_error(e, None)) from None
+            raise SystemExit(report_user_error(e, log_dir_for(config_name, own))) from None
         run_job(run, cfg)
 
     job()

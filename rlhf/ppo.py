@@ -24,6 +24,7 @@ def run(cfg: PPOConfig) -> list[dict]:
 
     from rlhf.agents.tool_env import env_factory as env_factory_from
     from rlhf.data.prompts import PromptLoader, load_prompts
+    from rlhf.preflight import check_model_dirs
     from rlhf.rewards import Reward
     from rlhf.trainer.ppo_trainer import PPOTrainer
     from rlhf.trainer.setup import build_workers, init_ray, prepare_model_dir, prepare_nodes
@@ -36,6 +37,7 @@ def run(cfg: PPOConfig) -> list[dict]:
     env_factory = env_factory_from(cfg.env)
     tools = env_factory.tools if env_factory is not None else None
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
+    check_model_dirs(cfg, model_dir)  # before any worker: what the model dirs decide
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts, skipped = load_prompts(
         cfg.data.prompts,

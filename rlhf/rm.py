@@ -20,11 +20,13 @@ def run(cfg: RMConfig) -> list[dict]:
     from transformers import AutoTokenizer
 
     from rlhf.data.chat import load_pairs
+    from rlhf.preflight import check_model_dirs
     from rlhf.trainer.rm_trainer import RMTrainer
     from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir, prepare_nodes
     from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
+    check_model_dirs(cfg, model_dir)  # before any worker: what the model dirs decide
     train, held_out = load_pairs(cfg.data, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
     prepare_nodes(cfg.train.output_dir, [model_dir], cfg.cluster.startup_timeout_s)

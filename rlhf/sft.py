@@ -30,11 +30,13 @@ def run(cfg: SFTConfig) -> list[dict]:
     """Train from a validated ``SFTConfig``; the model lands in ``<train.output_dir>/final``. Returns metrics."""
     from transformers import AutoTokenizer
 
+    from rlhf.preflight import check_model_dirs
     from rlhf.trainer.setup import init_ray, model_group, prepare_model_dir, prepare_nodes
     from rlhf.trainer.sft_trainer import SFTTrainer
     from rlhf.trainer.supervised import count_steps
 
     model_dir = prepare_model_dir(cfg.model, cfg.train.output_dir)
+    check_model_dirs(cfg, model_dir)  # before any worker: what the model dirs decide
     train, held_out = load_data(cfg, AutoTokenizer.from_pretrained(model_dir))
     init_ray(cfg.cluster)
     prepare_nodes(cfg.train.output_dir, [model_dir], cfg.cluster.startup_timeout_s)

@@ -48,9 +48,14 @@ def is_uri(location: str | Path) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
+_SECRET_PARAM = re.compile(r"([?&][^=&]*(?:key|secret|token|password|credential)[^=&]*=)[^&]*", re.IGNORECASE)
+
+
 def redact(location: str | Path) -> str:
-    """``location`` without credentials (``s3://key:secret@bucket`` -> ``s3://***@bucket``), for logs."""
-    return re.sub(r"^([a-z0-9+.-]+://)[^/@]+@", r"\1***@", str(location))
+    """``location`` without credentials, for logs: ``s3://key:secret@bucket`` -> ``s3://***@bucket``,
+    ``?access_key=A&secret_key=S`` -> ``?access_key=***&secret_key=***``."""
+    text = re.sub(r"^([a-z0-9+.-]+://)[^/@]+@", r"\1***@", str(location))
+    return _SECRET_PARAM.sub(r"\1***", text)
 
 
 def staging_root() -> Path:

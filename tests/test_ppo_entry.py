@@ -236,3 +236,69 @@ def test_lora_ppo_with_critic_reference_for_free_and_adapter_sync(tmp_path, tiny
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
+
+
+def test_cli_type_errors_and_bare_strings_for_lists_name_the_field_and_the_fix(tmp_path):
+    """Each used to print only 'Error merging override ...' (and its traceback went to the system
+    temp dir): now the field, its type and the value given, and the log under the run's dir."""
+    out = tmp_path / "run"
+    base = ("experiment=toy_count", f"train.output_dir={out}")
+    assert _one_clear_error(_cli(*base, "train.num_steps=abc")) == (
+        f"error: train.num_steps=abc: train.num_steps must be an integer, got 'abc' (traceback: {out / 'logs' / 'error.log'})"
+    )
+    msg = _one_clear_error(_cli(*base, "model.lora.target_modules=q_proj"))
+    assert "model.lora.target_modules is a list; write model.lora.target_modules=[q_proj]" in msg
+    assert "rollout.temperature must be a number, got 'hot'" in _one_clear_error(
+        _cli(*base, "rollout.temperature=hot")
+    )
+    assert (out / "logs" / "error.log").is_file()
+
+
+def test_cfg_job_validates_and_masks_credentials(tmp_path):
+    msg = _one_clear_error(_cli("experiment=toy_count", "rollout.temperature=0", "--cfg", "job"))
+    assert "rollout.temperature" in msg
+    uri = "'train.output_dir=\"s3://AKIA:SECRET@bucket/run?endpoint_override=h:9000&secret_key=S3CR3T&scheme=http\"'"
+    proc = subprocess.run(
+        f"{sys.executable} -m rlhf.ppo experiment=toy_count {uri} --cfg job",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        "output_dir: s3://***@bucket/run?endpoint_override=h:9000&secret_key=***&scheme=http" in proc.stdout
+    )
+    assert "AKIA" not in proc.stdout and "S3CR3T" not in proc.stdout and "SECRET" not in proc.stdout
+
+
+def test_check_reports_what_the_run_uses_and_finds_mistakes_in_seconds(tmp_path):
+    """--check: no Ray, no worker; the data read and tokenized, the reward called."""
+    import json
+    import time
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"question": f"count {i} {i + 1}", "target": str(i + 2)}) + "\n" for i in range(50)
+        )
+    )
+    base = (
+        f"data.prompts={rows}", "data.prompt_key=question", "data.label_key=target", f"eval.prompts={rows}",
+        "reward.function=rlhf.rewards.verifiers:exact_match_reward", f"train.output_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    t0 = time.monotonic()
+    proc = _cli(*base, "--check")
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "data: " in out and "50 prompts; columns the reward sees ['index', 'target']" in out
+    assert "prompt tokens: p50" in out and "(limit 64; 0 over)" in out and "unknown-token share" in out
+    assert "label column 'target'" in out and "placement: a local Ray" in out and "check passed" in out
+    assert not (tmp_path / "run").exists() and took < 60, took
+    # a label column that is not there: found by the reward call, before any worker
+    msg = _one_clear_error(_cli(*base[:2], f"data.prompts={rows}", *base[3:], "--check"))
+    assert "the verifier needs the label column 'answer'" in msg and "reward.label_key" in msg
+    # an overlong prompt under overlong_prompts=error
+    msg = _one_clear_error(_cli(*base, "data.max_prompt_len=3", "rollout.max_model_len=64", "--check"))
+    assert "longer than data.max_prompt_len=3" in msg

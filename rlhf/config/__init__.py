@@ -54,6 +54,11 @@ def to_object(cfg: Any) -> Any:
 
 def compose(config_name: str, overrides: list[str] | None = None) -> Any:
     """Compose ``conf/<config_name>.yaml`` with CLI-style overrides (for tests and tools)."""
+    return to_object(compose_raw(config_name, overrides))
+
+
+def compose_raw(config_name: str, overrides: list[str] | None = None) -> Any:
+    """The composed ``DictConfig``, before the dataclass checks (``to_object``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -61,8 +66,7 @@ def compose(config_name: str, overrides: list[str] | None = None) -> Any:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
-    return to_object(cfg)
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
 __all__ = [
@@ -70,6 +74,7 @@ __all__ = [
     "ConfigError",
     "PPOConfig",
     "compose",
+    "compose_raw",
     "register_configs",
     "register_schema",
     "to_object",

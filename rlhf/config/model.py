@@ -41,6 +41,10 @@ class TinyModelConfig:
         _one_of("model.tiny.arch", self.arch, ("llama", "qwen2"))
 
 
+# vLLM 0.32's LoRAConfig.max_lora_rank accepts these values only (rlhf.workers.lora_rollout).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters (PEFT) on every trained model; ``rank`` 0 = full fine-tuning."""

@@ -15,7 +15,15 @@ from rlhf.algorithms.registry import ESTIMATORS, POLICY_LOSSES
 
 # The model section lives in rlhf/config/model.py; re-exported here with the other sections.
 from rlhf.config.env import EnvConfig  # noqa: F401
-from rlhf.config.model import ATTN_IMPLS, LoraConfig, ModelConfig, TinyModelConfig, _check, _one_of  # noqa: F401
+from rlhf.config.model import (  # noqa: F401
+    ATTN_IMPLS,
+    VLLM_LORA_RANKS,
+    LoraConfig,
+    ModelConfig,
+    TinyModelConfig,
+    _check,
+    _one_of,
+)
 
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -548,6 +556,11 @@ class PPOConfig:
                 not self.model.lora.modules_to_save,
                 "model.lora.modules_to_save trains whole modules that vLLM's LoRA cannot serve: "
                 "set rollout.lora_sync=merged",
+            )
+            _check(
+                self.model.lora.rank <= VLLM_LORA_RANKS[-1],
+                f"model.lora.rank={self.model.lora.rank} is above the largest adapter rank vLLM serves "
+                f"({VLLM_LORA_RANKS[-1]}): lower it, or set rollout.lora_sync=merged (full weights to the engines)",
             )
         a = self.algorithm
         if a.estimator.compares_group:

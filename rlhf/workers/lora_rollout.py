@@ -23,20 +23,18 @@ from typing import Any
 
 import torch
 
+from rlhf.config.model import VLLM_LORA_RANKS
 from rlhf.workers.rollout import RolloutEngine, RolloutEngineError
 
 __all__ = ["LoraRolloutEngine", "vllm_max_lora_rank"]
 
-# vLLM 0.32's LoRAConfig.max_lora_rank accepts these values only.
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
 
 def vllm_max_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
-    for r in _VLLM_LORA_RANKS:
+    for r in VLLM_LORA_RANKS:
         if r >= rank:
             return r
-    raise ValueError(f"model.lora.rank={rank} exceeds vLLM's largest max_lora_rank {_VLLM_LORA_RANKS[-1]}")
+    raise ValueError(f"model.lora.rank={rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
 class LoraRolloutEngine(RolloutEngine):
