@@ -157,13 +157,19 @@ def _first_last(history: list[dict], key: str) -> str | None:
     return f"{vals[0]:.4g} -> {vals[-1]:.4g}" if vals else None
 
 
-def run_summary(history: list[dict], output_dir: str | Path, wall_s: float) -> str:
-    """The lines a finished run prints: what it did and where its results are."""
+def run_summary(history: list[dict], output_dir: str | Path, wall_s: float, resumed_after: int = 0) -> str:
+    """The lines a finished run prints: what it did and where its results are. ``resumed_after``:
+    the step this run continued from (its checkpoint); the steps before it ran earlier."""
     from rlhf.storage import Store, redact
 
     store = Store(output_dir)
     steps = max((int(h["step"]) for h in history if "step" in h), default=len(history))
-    lines = [f"done: {steps} steps in {wall_s:.0f} s"]
+    if resumed_after:
+        lines = [
+            f"done: {steps} steps, {steps - resumed_after} of them in this run (resumed after step {resumed_after}) in {wall_s:.0f} s"
+        ]
+    else:
+        lines = [f"done: {steps} steps in {wall_s:.0f} s"]
     for label, keys in (
         ("reward (mean)", ("reward/mean",)),
         ("train loss", ("train/loss", "policy/loss")),
@@ -194,6 +200,8 @@ def run_job(run: Callable[[Any], list[dict]], cfg: Any) -> None:
 
     t0 = time.perf_counter()
     log_dir = local_mirror(cfg.train.output_dir) / "logs"
+    resumed_after = _resume_step(cfg.train)
+    handler = _driver_log(log_dir)
     try:
         history = exit_on_preemption(run, cfg)
     except USER_ERRORS as e:
@@ -201,7 +209,31 @@ def run_job(run: Callable[[Any], list[dict]], cfg: Any) -> None:
     except Exception as e:  # noqa: BLE001 - a failure, not a mistake: one message, exit 1
         report_user_error(e, log_dir, with_type=True)
         raise SystemExit(1) from None
-    print("\n" + run_summary(history or [], cfg.train.output_dir, time.perf_counter() - t0), flush=True)
+    finally:
+        logging.getLogger("rlhf").removeHandler(handler)
+        handler.close()
+    wall = time.perf_counter() - t0
+    print("\n" + run_summary(history or [], cfg.train.output_dir, wall, resumed_after), flush=True)
+
+
+def _resume_step(train: Any) -> int:
+    """The step a run of ``train`` (``TrainConfig``) continues from: its latest checkpoint's, 0 if none."""
+    from rlhf.trainer.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(train.output_dir) if train.resume != "false" else None
+    name = str(found).rstrip("/").rpartition("/")[2] if found else ""
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else 0
+
+
+def _driver_log(log_dir: Path) -> logging.Handler:
+    """The driver's own log lines (INFO and up) in ``<output_dir>/logs/driver.log``, beside the
+    workers' logs; a storage URI gets it with them at every checkpoint."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_dir / "driver.log")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("rlhf").addHandler(handler)
+    return handler
 
 
 def _cfg_mode(argv: Sequence[str]) -> str | None:

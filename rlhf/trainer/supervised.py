@@ -129,6 +129,8 @@ class SupervisedTrainer:
         policy = CheckpointPolicy(t.save_every, t.save_every_min)
         try:
             with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out.location))) as stop:
+                if self.step == 0 and self.eval_units:  # the starting point of "before -> after"
+                    tracker.log(0, {f"eval/{k}": v for k, v in self.evaluate().items()}, advance=False)
                 for progress, epoch_end, batch in itertools.islice(self.schedule(), self.step, total):
                     tracker.log(self.step + 1, self.step_once(progress, epoch_end, batch))
                     self.step += 1

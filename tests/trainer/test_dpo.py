@@ -190,9 +190,9 @@ def test_dpo_entry_point_end_to_end(ray_session, tmp_path, tiny_llama_dir):
     from rlhf.dpo import run
 
     history = run(tiny_trainer_cfg("dpo", tmp_path, tiny_llama_dir, "train.max_steps=2"))
-    assert [h["step"] for h in history] == [1, 2]
+    assert [h["step"] for h in history] == [0, 1, 2]  # 0: the eval before training
     # Step 1 trains the untouched policy: implicit rewards are exactly 0, loss log 2.
-    assert history[0]["train/loss"] == pytest.approx(0.6931, abs=1e-3)
+    assert history[1]["train/loss"] == pytest.approx(0.6931, abs=1e-3)
     assert "eval/rewards/accuracy" in history[-1]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "final").config.architectures == [
         "LlamaForCausalLM"

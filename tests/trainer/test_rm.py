@@ -102,8 +102,8 @@ def test_rm_entry_point_end_to_end_and_ppo_reward_role_loads_it(ray_session, tmp
     from rlhf.workers.group import ModelGroup
 
     history = run(tiny_trainer_cfg("rm", tmp_path, tiny_llama_dir, "train.max_steps=3"))
-    assert [h["step"] for h in history] == [1, 2, 3]
-    assert "eval/scores/accuracy" in history[-1]
+    assert [h["step"] for h in history] == [0, 1, 2, 3]  # 0: the eval before training
+    assert "eval/scores/accuracy" in history[0] and "eval/scores/accuracy" in history[-1]
     final = tmp_path / "final"
     assert len(AutoTokenizer.from_pretrained(final)) > 0
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()

@@ -141,6 +141,9 @@ def test_fit_runs_shuffled_epochs_evaluates_and_saves(
     calls = _record_train_calls(monkeypatch, sft_group)
     steps_before = sft_group.info()[0]["global_steps"]
     history = SFTTrainer(cfg, sft_group, data, eval_samples=data[:2]).fit()
+    # a row before the first step holds the starting point of the held-out loss
+    assert history[0]["step"] == 0 and set(history[0]) == {"step", "eval/loss"}
+    history = history[1:]
     assert len(calls) == len(history) == steps
     # max_steps (or epochs x batches) optimizer steps really taken by the DeepSpeed engine
     assert sft_group.info()[0]["global_steps"] - steps_before == steps
@@ -193,9 +196,9 @@ def test_sft_entry_point_end_to_end(ray_session, tmp_path, tiny_llama_dir):
 
     cfg = tiny_trainer_cfg("sft", tmp_path, tiny_llama_dir, "train.max_steps=3", "train.tensorboard=true")
     history = run(cfg)
-    assert [h["step"] for h in history] == [1, 2, 3]
-    assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in history)
-    assert "eval/loss" in history[-1]
+    assert [h["step"] for h in history] == [0, 1, 2, 3]  # 0: the eval before training
+    assert all(torch.isfinite(torch.tensor(h["train/loss"])) for h in history[1:])
+    assert "eval/loss" in history[0] and "eval/loss" in history[-1]
     assert (tmp_path / "metrics.jsonl").is_file() and (tmp_path / "tensorboard").is_dir()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert model.config.architectures == ["LlamaForCausalLM"]
@@ -264,3 +267,16 @@ def test_sigterm_to_the_process_group_checkpoints_and_the_run_resumes(tmp_path, 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, steps + 1))
+    # the summary tells this run's share, and says "before -> after" from the eval before step 1
+    first = int(done[5:])
+    assert (
+        f"done: {steps} steps, {steps - first} of them in this run (resumed after step {first})"
+        in resumed.stdout
+    )
+    assert rows[0]["step"] == 0 and "eval/loss" in rows[0] and "eval loss: " in resumed.stdout
+    # the driver's own log is beside the workers' (both runs' lines)
+    driver_log = (tmp_path / "run" / "logs" / "driver.log").read_text()
+    assert (
+        "received SIGTERM" in driver_log
+        and f"resuming from {tmp_path / 'run' / 'checkpoints' / done}" in driver_log
+    )
