@@ -6,7 +6,6 @@ placement groups and resources; the groups and engines it builds do not know abo
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
@@ -61,7 +60,6 @@ def init_ray(cluster: ClusterConfig) -> None:
         ray.init(address=address, runtime_env=runtime_env)
 
     start_local_ray(start, stop_local_ray, cluster.ray_start_timeout_s)
-    atexit.register(stop_local_ray)  # before Ray's own exit hook, which would wait for the head
 
 
 # The head init_ray started in its own session (rlhf.workers.local_ray), so that a signal to the
@@ -70,16 +68,11 @@ _local_ray: LocalRay | None = None
 
 
 def stop_local_ray() -> None:
-    """Disconnect and stop the local Ray head that ``init_ray`` started, if any."""
+    """Disconnect from and stop the local Ray head that ``init_ray`` started, if any."""
     global _local_ray
-    import ray
-
-    if _local_ray is None:
-        return
-    if ray.is_initialized():
-        ray.shutdown()
-    _local_ray.stop()
-    _local_ray = None
+    if _local_ray is not None:
+        _local_ray.stop()
+        _local_ray = None
 
 
 def prepare_nodes(output_dir: str, model_dirs: list[str], timeout_s: float) -> None:

@@ -101,7 +101,7 @@ class LocalRay:
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
         )
-        atexit.register(self.stop)
+        atexit.register(self.stop)  # runs before Ray's own exit hook (registered at import)
         deadline = time.monotonic() + timeout_s
         os.set_blocking(self.proc.stdout.fileno(), False)
         out = b""
@@ -119,10 +119,15 @@ class LocalRay:
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Close the supervisor's pipe and wait for it to take the head down."""
+        """Disconnect this process from Ray, close the supervisor's pipe and wait for it to take
+        the head down (disconnecting first: Ray's own exit hook would wait for a head that is gone)."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
         with contextlib.suppress(OSError):
             proc.stdin.close()
         try:
@@ -141,7 +146,9 @@ def _supervise(num_cpus: int) -> int:
     # ray.init() anywhere on the machine would join (or, once stopped, fail on) the default one.
     temp_dir = Path(tempfile.gettempdir()) / f"rlhf-ray-{os.getpid()}"  # short: socket paths < 108 bytes
     cmd = [
-        str(Path(sys.executable).with_name("ray")),
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",  # the `ray` CLI of this interpreter's Ray
         "start",
         "--head",
         "--node-ip-address=127.0.0.1",
