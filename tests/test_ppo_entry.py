@@ -270,6 +270,19 @@ def test_cfg_job_validates_and_masks_credentials(tmp_path):
         "output_dir: s3://***@bucket/run?endpoint_override=h:9000&secret_key=***&scheme=http" in proc.stdout
     )
     assert "AKIA" not in proc.stdout and "S3CR3T" not in proc.stdout and "SECRET" not in proc.stdout
+    # the README's storage URI example, as written there, reaches the config intact
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = next(line.strip() for line in readme.splitlines() if "train.output_dir='s3://" in line)
+    proc = subprocess.run(
+        f"{sys.executable} -m rlhf.ppo experiment=toy_count {example} --cfg job",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "output_dir: s3://bucket/run?endpoint_override=host:9000&scheme=http" in proc.stdout, proc.stderr[
+        -2000:
+    ]
 
 
 def test_check_reports_what_the_run_uses_and_finds_mistakes_in_seconds(tmp_path):

@@ -17,6 +17,7 @@ Final-answer extraction (:func:`extract_answer`), first match wins: ``#### X`` (
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -27,6 +28,18 @@ __all__ = [
     "math_verify_reward",
     "numeric_match_reward",
 ]
+
+
+class _NoTimeoutNotice(logging.Filter):
+    """math-verify warns once that its own (signal-based) timeouts are off: they are off on
+    purpose, every reward call is bounded by reward.timeout_s instead (rlhf.rewards)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

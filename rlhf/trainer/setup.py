@@ -57,7 +57,9 @@ def init_ray(cluster: ClusterConfig) -> None:
         global _local_ray
         _local_ray = LocalRay(cluster.num_cpus)
         address = _local_ray.start(cluster.ray_start_timeout_s)
-        ray.init(address=address, runtime_env=runtime_env)
+        # WARNING: Ray's "Connecting to existing Ray cluster ..." lines are ours to tell
+        ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+        log.info("local Ray of %d CPUs up at %s", cluster.num_cpus, address)
 
     start_local_ray(start, stop_local_ray, cluster.ray_start_timeout_s)
 
@@ -430,10 +432,17 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
                 lora_sync=cfg.rollout.lora_sync,
             )
         pool = _rollout_pool(cfg, model_dir, pgs["all" if c.colocate_engines else "engines"])
-        # Engines and ranks load at the same time; wait for all of them.
+        # Engines and ranks load at the same time; wait for all of them (start-up says where it is).
+        log.info(
+            "starting workers: %s and %d rollout engine(s), loading in parallel",
+            ", ".join(f"{role} ({ranks} rank{'s' * (ranks > 1)})" for role, ranks, _, _ in roles),
+            cfg.rollout.num_engines,
+        )
         pool.wait_started()
-        for g in groups.values():
+        log.info("rollout engines ready after %.0f s (warm-up included)", time.perf_counter() - t0)
+        for k, (role, g) in enumerate(groups.items(), 1):
             g.wait_started(c.startup_timeout_s)
+            log.info("%s ready (%d/%d groups) after %.0f s", role, k, len(groups), time.perf_counter() - t0)
     except BaseException:
         # Free what was reserved so a failed start does not hold the cluster's resources.
         for g in groups.values():

@@ -6,9 +6,46 @@ import contextlib
 import json
 import logging
 import os
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("rlhf")
+
+
+class PlainProgress:
+    """The progress bar's stand-in when the console is not a terminal: one line per
+    ``every`` steps (a twentieth of the run) or ``every_s`` seconds, and at the last step."""
+
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        every_s: float = 30.0,
+        write: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.total, self.n, self.every = total, initial, max(1, total // 20)
+        self.every_s, self.clock = every_s, clock
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.t0 = self.last_t = clock()
+        self.first, self.last_n, self.postfix = initial, initial, {}
+
+    def set_postfix(self, shown: dict) -> None:
+        self.postfix = dict(shown)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = self.clock()
+        if self.n - self.last_n >= self.every or now - self.last_t >= self.every_s or self.n >= self.total:
+            per_step = (now - self.t0) / max(self.n - self.first, 1)
+            extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            self.write(f"rlhf: step {self.n}/{self.total} ({per_step:.1f} s/step) {extra}".rstrip())
+            self.last_n, self.last_t = self.n, now
+
+    def close(self) -> None:
+        pass
 
 
 class Tracker:
@@ -29,7 +66,13 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         # The run's rows so far: those up to the step resumed from (a fresh run starts empty).
         self.history: list[dict] = self._keep_rows(self.dir / "metrics.jsonl", start_step)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="rlhf", dynamic_ncols=True)
+        # A terminal gets a progress bar; a log file, `ray job logs` or CI get a plain line now and
+        # then (a bar there is one \r-joined line of many KB)
+        self.bar = (
+            tqdm(total=total_steps, initial=start_step, desc="rlhf", dynamic_ncols=True)
+            if sys.stderr.isatty()
+            else PlainProgress(total_steps, start_step)
+        )
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

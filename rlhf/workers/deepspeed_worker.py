@@ -21,8 +21,10 @@ values).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import logging
 import math
 import os
@@ -202,12 +204,16 @@ class ModelWorker(WorkerWeights):
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        deepspeed.init_distributed(
-            dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-            auto_mpi_discovery=False,
-            verbose=False,
-            timeout=timedelta(seconds=self.settings.dist_timeout_s),
-        )
+        # DeepSpeed prints "... op built successfully" on a CPU rank's start: the worker log's, not the console's
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            deepspeed.init_distributed(
+                dist_backend="nccl" if self.device.type == "cuda" else "gloo",
+                auto_mpi_discovery=False,
+                verbose=False,
+                timeout=timedelta(seconds=self.settings.dist_timeout_s),
+            )
+        if printed.getvalue().strip():
+            logger.info("%s", printed.getvalue().strip())
         torch.manual_seed(seed)
         self.ds_config = build_ds_config(self.settings, world_size, train=self.trainable)
         self.zero3 = self.settings.zero_stage == 3

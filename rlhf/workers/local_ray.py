@@ -81,8 +81,17 @@ def _same_auth_as_ray_init() -> None:
         ensure_token_if_auth_enabled,
     )
 
-    enable_token_auth_by_default()
-    ensure_token_if_auth_enabled({}, create_token_if_missing=True)
+    # Ray warns on the console that token auth is on, at every start: what ray.init does, as expected
+    notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = notices.level
+    notices.setLevel(logging.ERROR)
+    try:
+        enable_token_auth_by_default()
+        ensure_token_if_auth_enabled({}, create_token_if_missing=True)
+    finally:
+        notices.setLevel(level)
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    log.info("starting a local Ray (token authentication %s)", "on" if mode == "token" else mode)
 
 
 class LocalRay:

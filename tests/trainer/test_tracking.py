@@ -1,0 +1,23 @@
+"""Console progress when the console is not a terminal: plain lines, not one \\r-joined bar."""
+
+from __future__ import annotations
+
+from rlhf.trainer.tracking import PlainProgress
+
+
+def test_plain_progress_prints_a_line_every_twentieth_of_the_run_or_30_s_and_at_the_end():
+    now, lines = [0.0], []
+    p = PlainProgress(100, write=lines.append, clock=lambda: now[0])
+    for step in range(1, 101):
+        now[0] += 1.0
+        p.set_postfix({"reward/mean": f"{step / 100:.3g}"})
+        p.update(1)
+    assert len(lines) == 20 and lines[0] == "rlhf: step 5/100 (1.0 s/step) reward/mean=0.05"
+    assert lines[-1].startswith("rlhf: step 100/100")
+    # slow steps: a line every 30 s even between the twentieths; a resumed run counts from its start
+    now, lines = [0.0], []
+    p = PlainProgress(1000, initial=500, write=lines.append, clock=lambda: now[0])
+    for _ in range(3):
+        now[0] += 40.0
+        p.update(1)
+    assert lines == [f"rlhf: step {n}/1000 (40.0 s/step)" for n in (501, 502, 503)]
