@@ -254,17 +254,22 @@ def test_cli_type_errors_and_bare_strings_for_lists_name_the_field_and_the_fix(t
     assert (out / "logs" / "error.log").is_file()
 
 
-def test_cfg_job_validates_and_masks_credentials(tmp_path):
-    msg = _one_clear_error(_cli("experiment=toy_count", "rollout.temperature=0", "--cfg", "job"))
-    assert "rollout.temperature" in msg
-    uri = "'train.output_dir=\"s3://AKIA:SECRET@bucket/run?endpoint_override=h:9000&secret_key=S3CR3T&scheme=http\"'"
-    proc = subprocess.run(
-        f"{sys.executable} -m rlhf.ppo experiment=toy_count {uri} --cfg job",
+def _cfg_job_in_a_shell(override: str) -> subprocess.CompletedProcess:
+    """``rlhf.ppo experiment=toy_count OVERRIDE --cfg job`` through a shell, quotes as typed."""
+    return subprocess.run(
+        f"{sys.executable} -m rlhf.ppo experiment=toy_count {override} --cfg job",
         shell=True,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_cfg_job_validates_and_masks_credentials(tmp_path):
+    msg = _one_clear_error(_cli("experiment=toy_count", "rollout.temperature=0", "--cfg", "job"))
+    assert "rollout.temperature" in msg
+    uri = "'train.output_dir=\"s3://AKIA:SECRET@bucket/run?endpoint_override=h:9000&secret_key=S3CR3T&scheme=http\"'"
+    proc = _cfg_job_in_a_shell(uri)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (
         "output_dir: s3://***@bucket/run?endpoint_override=h:9000&secret_key=***&scheme=http" in proc.stdout
@@ -273,13 +278,7 @@ def test_cfg_job_validates_and_masks_credentials(tmp_path):
     # the README's storage URI example, as written there, reaches the config intact
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     example = next(line.strip() for line in readme.splitlines() if "train.output_dir='s3://" in line)
-    proc = subprocess.run(
-        f"{sys.executable} -m rlhf.ppo experiment=toy_count {example} --cfg job",
-        shell=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _cfg_job_in_a_shell(example)
     assert "output_dir: s3://bucket/run?endpoint_override=host:9000&scheme=http" in proc.stdout, proc.stderr[
         -2000:
     ]
