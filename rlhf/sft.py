@@ -1,7 +1,7 @@
 """Packed supervised fine-tuning entry point (loss on the assistant turns only).
 
-python -m rlhf.sft                                   # tiny run on the local CPU (toy:count chats)
 python -m rlhf.sft data.path=chats.jsonl model=hf model.path=/models/M train.epochs=3
+python -m rlhf.sft experiment=toy_chat               # tiny run on the local CPU (toy:count chats)
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ log = logging.getLogger("rlhf")
 
 def load_data(cfg, tokenizer):
     """``(train, eval)`` samples from ``data.path``; a malformed row raises ``DataRowError`` naming it."""
-    from rlhf.data.chat import load_sft, split_eval
+    from rlhf.data.chat import ChatColumns, load_sft, split_eval
 
     d = cfg.data
-    samples, skipped = load_sft(d.path, tokenizer, d.max_len, d.overlong, d.num_toy, d.seed)
+    samples, skipped = load_sft(
+        d.path, tokenizer, d.max_len, d.overlong, d.num_toy, d.seed, ChatColumns.of(d)
+    )
     if skipped:
         log.warning("skipped %d rows longer than data.max_len=%d", skipped, d.max_len)
     return split_eval(samples, d.eval_size, d.seed)

@@ -11,7 +11,7 @@ from rlhf.config import compose
 def test_a_failure_that_is_not_a_users_mistake_is_one_line_with_the_traceback_in_the_run_dir(
     tmp_path, capsys
 ):
-    cfg = compose("sft", [f"train.output_dir={tmp_path}"])
+    cfg = compose("sft", ["experiment=toy_chat", f"train.output_dir={tmp_path}"])
 
     def run(cfg):
         raise RuntimeError("placement: nodes 127.0.0.4 never came back")

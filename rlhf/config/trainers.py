@@ -24,16 +24,25 @@ from rlhf.config.schema import (
 
 @dataclass
 class ChatDataConfig:
-    # "toy:count" = bundled toy task; otherwise a JSONL file (rlhf.data.chat documents the rows).
-    path: str = "toy:count"
+    # A JSONL or .parquet file, or hf:NAME_OR_DIR[:SPLIT] (rlhf.data.chat documents the rows), or
+    # "toy:count" (the bundled toy task, experiment=toy_chat). Required: no default data.
+    path: str = ""
+    # Columns: SFT reads messages_key, else prompt_key + completion_key; DPO/RM read prompt_key,
+    # chosen_key and rejected_key.
+    messages_key: str = "messages"
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
     max_len: int = 128  # tokens per sample (each of chosen and rejected for pairs)
     overlong: str = "error"  # error | skip (skipped rows are counted in the log)
     num_toy: int = 256  # rows of the toy task
-    eval_size: int = 0  # samples (SFT) or pairs (DPO/RM) held out and evaluated after every epoch
+    eval_size: int = (
+        0  # samples (SFT) or pairs (DPO/RM) held out, evaluated before training and after every epoch
+    )
     seed: int = 0  # toy rows, held-out split and shuffling
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "data.path must be 'toy:count' or a JSONL file")
         _one_of("data.overlong", self.overlong, ("error", "skip"))
         _check(self.max_len > 1, f"data.max_len must be > 1, got {self.max_len}")
         _check(self.num_toy >= 1, f"data.num_toy must be >= 1, got {self.num_toy}")
@@ -46,7 +55,9 @@ class SupervisedTrainConfig(RunConfig):
     max_steps: int = 0  # cap on optimizer steps; 0 = run every epoch to the end
     batch_size: int = 16  # samples (SFT) or pairs (DPO/RM) per optimizer step
     max_tokens_per_microbatch: int = 1024  # packing budget of one micro-batch row
-    lr: float = 1e-4
+    # null: what a real model survives, by trainer and by full weights / LoRA adapters
+    # (DEFAULT_LR below: SFT and RM 1e-5 / 1e-4, DPO 1e-6 / 1e-5)
+    lr: float | None = None
     lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at the last step)
     min_lr_ratio: float = 0.0
     output_dir: str = "runs/sft"  # the trained model lands in <output_dir>/final
@@ -57,7 +68,7 @@ class SupervisedTrainConfig(RunConfig):
         _check(self.max_steps >= 0, f"train.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
         _check(self.batch_size >= 1, f"train.batch_size must be >= 1, got {self.batch_size}")
         _check(self.max_tokens_per_microbatch >= 16, "train.max_tokens_per_microbatch must be >= 16")
-        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _check(self.lr is None or self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _one_of("train.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _check(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -84,6 +95,32 @@ class DPOParams:
         )
 
 
+# train.lr when unset: (full fine-tuning, LoRA adapters). Full-weight values are TRL's and
+# OpenRLHF's defaults for 0.5-8B models; adapters take a ~10x larger step.
+DEFAULT_LR: dict[str, tuple[float, float]] = {"sft": (1e-5, 1e-4), "dpo": (1e-6, 1e-5), "rm": (1e-5, 1e-4)}
+
+
+def _resolve(cfg, trainer: str, pairs: bool) -> None:
+    """The checks every supervised config shares, and ``train.lr``'s default."""
+    _check_fits(cfg.data.max_len, cfg.train.max_tokens_per_microbatch, 2 if pairs else 1)
+    check_offload_device(cfg.train, cfg.cluster)
+    if cfg.train.lr is None:
+        cfg.train.lr = DEFAULT_LR[trainer][1 if cfg.model.lora.rank > 0 else 0]
+
+
+def _check_data(data: ChatDataConfig, trainer: str) -> None:
+    rows = (
+        "chats (JSONL/Parquet rows with a messages column, or prompt and completion)"
+        if trainer == "sft"
+        else "preference pairs (JSONL/Parquet rows with prompt, chosen and rejected columns)"
+    )
+    _check(
+        bool(data.path),
+        f"data.path is not set: give your {rows}, e.g. data.path=path/to/train.jsonl (columns under other "
+        "names: data.prompt_key=...), or run the bundled toy task with experiment=toy_chat",
+    )
+
+
 def _check_fits(max_len: int, budget: int, per_unit: int) -> None:
     what = "one sample" if per_unit == 1 else "a (chosen, rejected) pair"
     _check(
@@ -101,9 +138,12 @@ class SFTConfig:
     sft: SFTParams = field(default_factory=SFTParams)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def check_required(self) -> None:
+        """What no default may stand in for (the data); ``rlhf.config.to_object`` calls it."""
+        _check_data(self.data, "sft")
+
     def __post_init__(self) -> None:
-        _check_fits(self.data.max_len, self.train.max_tokens_per_microbatch, 1)
-        check_offload_device(self.train, self.cluster)
+        _resolve(self, "sft", pairs=False)
 
 
 @dataclass
@@ -114,9 +154,12 @@ class DPOConfig:
     dpo: DPOParams = field(default_factory=DPOParams)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def check_required(self) -> None:
+        """What no default may stand in for (the data); ``rlhf.config.to_object`` calls it."""
+        _check_data(self.data, "dpo")
+
     def __post_init__(self) -> None:
-        _check_fits(self.data.max_len, self.train.max_tokens_per_microbatch, 2)
-        check_offload_device(self.train, self.cluster)
+        _resolve(self, "dpo", pairs=True)
 
 
 @dataclass
@@ -126,9 +169,12 @@ class RMConfig:
     train: SupervisedTrainConfig = field(default_factory=SupervisedTrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    def check_required(self) -> None:
+        """What no default may stand in for (the data); ``rlhf.config.to_object`` calls it."""
+        _check_data(self.data, "rm")
+
     def __post_init__(self) -> None:
-        _check_fits(self.data.max_len, self.train.max_tokens_per_microbatch, 2)
-        check_offload_device(self.train, self.cluster)
+        _resolve(self, "rm", pairs=True)
 
 
 register_schema("sft_schema", SFTConfig)

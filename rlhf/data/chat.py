@@ -8,6 +8,9 @@ dropped silently.
   may carry ``tools`` (OpenAI function schemas, as TRL's datasets do): tool-calling transcripts
   (``tool`` messages are observations, not trained on) render with the template's tool prompt.
 - Preferences (DPO, RM): ``{"prompt": str | messages, "chosen": str, "rejected": str}``.
+
+Columns under other names are mapped with ``ChatColumns`` (``data.messages_key``,
+``data.prompt_key``, ``data.completion_key``, ``data.chosen_key``, ``data.rejected_key``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import logging
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,28 @@ log = logging.getLogger("rlhf")
 
 class DataRowError(ValueError):
     """A malformed data row; the message names the file, row and field."""
+
+
+@dataclass(frozen=True)
+class ChatColumns:
+    """Which column holds each part of a row (``data.<part>_key``)."""
+
+    messages: str = "messages"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+    @classmethod
+    def of(cls, data) -> ChatColumns:
+        """The columns a ``ChatDataConfig`` names."""
+        return cls(**{part: getattr(data, f"{part}_key") for part in cls.__dataclass_fields__})
+
+
+def _missing(where: str, row: dict, wanted: str, keys: str) -> DataRowError:
+    return DataRowError(
+        f"{where}: missing {wanted} (set {keys} to your column names; this row has {sorted(row)})"
+    )
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
@@ -197,23 +223,38 @@ def iter_rows(source: str | Path, kind: str, num_toy: int = 256, seed: int = 0) 
         yield from rows
 
 
+def _sft_messages(row: dict, where: str, cols: ChatColumns) -> list[dict]:
+    if cols.messages in row:
+        return messages_field(row[cols.messages], where, cols.messages)
+    if cols.prompt in row and cols.completion in row:
+        completion = row[cols.completion]
+        if not isinstance(completion, str) or not completion.strip():
+            raise DataRowError(f"{where}: field {cols.completion!r} is empty")
+        return messages_field(row[cols.prompt], where, cols.prompt) + [
+            {"role": "assistant", "content": completion}
+        ]
+    raise _missing(
+        where,
+        row,
+        f"field {cols.messages!r} (or {cols.prompt!r} and {cols.completion!r})",
+        "data.messages_key, or data.prompt_key and data.completion_key,",
+    )
+
+
 def load_sft(
-    path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256, seed: int = 0
+    path: str | Path,
+    tokenizer,
+    max_len: int,
+    overlong: str = "error",
+    num_toy: int = 256,
+    seed: int = 0,
+    columns: ChatColumns = ChatColumns(),
 ) -> tuple[list[Sample], int]:
     """SFT rows -> Samples. Returns ``(samples, num_skipped_overlong)``."""
     out, skipped = [], 0
     for lineno, row in iter_rows(path, "sft", num_toy, seed):
         where = f"{path}:{lineno}"
-        if "messages" in row:
-            msgs = messages_field(row["messages"], where, "messages")
-        elif "prompt" in row and "completion" in row:
-            if not isinstance(row["completion"], str) or not row["completion"].strip():
-                raise DataRowError(f"{where}: field 'completion' is empty")
-            msgs = messages_field(row["prompt"], where, "prompt") + [
-                {"role": "assistant", "content": row["completion"]}
-            ]
-        else:
-            raise DataRowError(f"{where}: missing field 'messages' (or 'prompt' and 'completion')")
+        msgs = _sft_messages(row, where, columns)
         s = tokenize_conversation(tokenizer, msgs, where, tools_field(row.get("tools"), where))
         if len(s) > max_len:
             if overlong == "skip":
@@ -230,18 +271,25 @@ def load_sft(
 
 
 def load_preferences(
-    path: str | Path, tokenizer, max_len: int, overlong: str = "error", num_toy: int = 256, seed: int = 0
+    path: str | Path,
+    tokenizer,
+    max_len: int,
+    overlong: str = "error",
+    num_toy: int = 256,
+    seed: int = 0,
+    columns: ChatColumns = ChatColumns(),
 ) -> tuple[list[tuple[Sample, Sample]], int]:
     """Preference rows -> (chosen, rejected) Sample pairs sharing the prompt."""
     pairs, skipped = [], 0
+    keys = {"prompt": columns.prompt, "chosen": columns.chosen, "rejected": columns.rejected}
     for lineno, row in iter_rows(path, "pref", num_toy, seed):
         where = f"{path}:{lineno}"
-        for field in ("prompt", "chosen", "rejected"):
+        for part, field in keys.items():
             if field not in row:
-                raise DataRowError(f"{where}: missing field {field!r}")
-        prompt = messages_field(row["prompt"], where, "prompt")
+                raise _missing(where, row, f"field {field!r}", f"data.{part}_key")
+        prompt = messages_field(row[columns.prompt], where, columns.prompt)
         pair = []
-        for field in ("chosen", "rejected"):
+        for field in (columns.chosen, columns.rejected):
             value = row[field]
             if not isinstance(value, str) or not value.strip():
                 raise DataRowError(
@@ -265,12 +313,31 @@ def load_preferences(
     return pairs, skipped
 
 
-def split_eval(units: Sequence[Any], eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:
-    """``(train, eval)``: ``eval_size`` units drawn at random (seeded), the rest for training."""
+def split_eval(
+    units: Sequence[Any], eval_size: int, seed: int, what: str = "rows"
+) -> tuple[list[Any], list[Any]]:
+    """``(train, eval)``: ``eval_size`` units drawn at random (seeded), the rest for training.
+    Logs the held-out share, so that no rows leave training unsaid."""
     if eval_size >= len(units):
         raise ValueError(
             f"data.eval_size={eval_size} leaves nothing to train on: the data has only "
             f"{len(units)} rows; lower data.eval_size"
+        )
+    if eval_size:
+        log.info(
+            "data: %d %s; %d (%.1f%%) held out for evaluation (data.eval_size=%d), %d to train on",
+            len(units),
+            what,
+            eval_size,
+            100 * eval_size / len(units),
+            eval_size,
+            len(units) - eval_size,
+        )
+    else:
+        log.info(
+            "data: %d %s, all trained on; no held-out evaluation (set data.eval_size=N to hold out N)",
+            len(units),
+            what,
         )
     order = list(range(len(units)))
     random.Random(seed).shuffle(order)
@@ -285,8 +352,8 @@ def load_pairs(data, tokenizer) -> tuple[list, list]:
     ``data.overlong=skip``, are dropped and counted in the log.
     """
     pairs, skipped = load_preferences(
-        data.path, tokenizer, data.max_len, data.overlong, data.num_toy, data.seed
+        data.path, tokenizer, data.max_len, data.overlong, data.num_toy, data.seed, ChatColumns.of(data)
     )
     if skipped:
         log.warning("skipped %d pairs longer than data.max_len=%d", skipped, data.max_len)
-    return split_eval(pairs, data.eval_size, data.seed)
+    return split_eval(pairs, data.eval_size, data.seed, "pairs")

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from rlhf.config import compose
 
+TOY_LR = {"sft": 1e-3, "dpo": 5e-4, "rm": 5e-4}
+
 
 def tiny_trainer_cfg(name: str, tmp_path, model_dir, *overrides: str):
     """Config ``name`` (``sft``/``dpo``/``rm``) for a small run of the tiny model under ``tmp_path``.
 
-    24 toy rows (4 held out), batches of 8, no tensorboard; ``overrides`` come last and win.
+    24 toy rows (4 held out), batches of 8, no tensorboard, the toy learning rates the tests were
+    tuned with; ``overrides`` come last and win.
     """
     return compose(
         name,
         [
+            "experiment=toy_chat",
+            f"train.lr={TOY_LR[name]}",
             f"model.path={model_dir}",
             f"train.output_dir={tmp_path}",
             "train.tensorboard=false",

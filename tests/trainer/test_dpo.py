@@ -127,7 +127,9 @@ def test_dpo_objective_equals_dpo_loss_on_reference_sums(lm, pairs, beta, label_
 def test_trainer_needs_reference_logprobs(tmp_path, pairs):
     from rlhf.trainer.dpo_trainer import DPOTrainer
 
-    cfg = compose("dpo", [f"train.output_dir={tmp_path}", "train.batch_size=3"])
+    cfg = compose(
+        "dpo", ["experiment=toy_chat", "train.lr=5e-4", f"train.output_dir={tmp_path}", "train.batch_size=3"]
+    )
     bare = [(Sample(c.input_ids, c.action_mask), Sample(r.input_ids, r.action_mask)) for c, r in pairs[:4]]
     # Refused in the constructor, before the group is used: no group is needed to check it.
     with pytest.raises(ValueError, match="fill_reference"):

@@ -244,7 +244,8 @@ def test_sigterm_to_the_process_group_checkpoints_and_the_run_resumes(tmp_path, 
 
     steps = 16
     cmd = [
-        sys.executable, "-m", "rlhf.sft", f"model.path={tiny_llama_dir}", f"train.output_dir={tmp_path / 'run'}",
+        sys.executable, "-m", "rlhf.sft", "experiment=toy_chat", f"model.path={tiny_llama_dir}",
+        f"train.output_dir={tmp_path / 'run'}",
         "train.tensorboard=false", "data.num_toy=64", "data.eval_size=4", "train.batch_size=4",
         "train.epochs=10", f"train.max_steps={steps}", "train.stop_grace_s=120", f"hydra.run.dir={tmp_path / 'h'}",
     ]  # fmt: skip

@@ -8,26 +8,47 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from rlhf.config import ConfigError, compose
-from rlhf.config.trainers import DPOConfig, RMConfig, SFTConfig
+from rlhf.config.trainers import DEFAULT_LR, DPOConfig, RMConfig, SFTConfig
 from rlhf.data.chat import DataRowError
 
 NAMES = ("sft", "dpo", "rm")
+DATA = "data.path=data/train.jsonl"
 
 
 @pytest.mark.parametrize(("name", "schema"), [("sft", SFTConfig), ("dpo", DPOConfig), ("rm", RMConfig)])
-def test_defaults_compose_typed_with_tiny_cpu_settings(name, schema):
-    cfg = compose(name)
+def test_defaults_are_a_real_models_and_name_no_toy(name, schema):
+    cfg = compose(name, [DATA])
     assert isinstance(cfg, schema)
-    assert cfg.data.path == "toy:count"
+    assert cfg.data.path == "data/train.jsonl"
+    assert cfg.data.eval_size == 0  # nothing held out unless asked (and the log says which)
+    assert cfg.train.output_dir == f"runs/{name}"
+    full, lora = DEFAULT_LR[name]
+    assert cfg.train.lr == full <= 1e-5
+    assert compose(name, [DATA, "model.lora.rank=8"]).train.lr == lora == pytest.approx(10 * full)
+    assert compose(name, [DATA, "train.lr=3e-6"]).train.lr == 3e-6  # a given lr wins
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_data_is_a_config_error_naming_the_toy_experiment(name):
+    with pytest.raises(ConfigError, match=r"data\.path is not set.*experiment=toy_chat"):
+        compose(name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_toy_task_is_one_experiment_for_all_three(name):
+    cfg = compose(name, ["experiment=toy_chat"])
+    assert (cfg.data.path, cfg.data.eval_size, cfg.train.lr) == ("toy:count", 16, 1e-3)
     assert cfg.model.path == ""  # the tiny model is built at run time
     assert cfg.cluster.device == "cpu"
-    assert cfg.train.output_dir == f"runs/{name}_toy_count"
+    # the command line still wins over the experiment
+    assert compose(name, ["experiment=toy_chat", "data.eval_size=4"]).data.eval_size == 4
 
 
 def test_overrides_reach_every_section():
     cfg = compose(
         "dpo",
         [
+            DATA,
             "dpo.beta=0.2",
             "dpo.label_smoothing=0.1",
             "train.batch_size=4",
@@ -39,8 +60,10 @@ def test_overrides_reach_every_section():
     assert (cfg.dpo.beta, cfg.dpo.label_smoothing) == (0.2, 0.1)
     assert (cfg.train.batch_size, cfg.data.max_len, cfg.cluster.actor_ranks) == (4, 64, 2)
     assert cfg.model.tiny.hidden_size == 64
-    assert compose("sft", ["sft.aggregation=seq_mean_token_sum"]).sft.aggregation == "seq_mean_token_sum"
-    assert compose("rm", ["train.epochs=3", "train.lr=1e-5"]).train.epochs == 3
+    assert (
+        compose("sft", [DATA, "sft.aggregation=seq_mean_token_sum"]).sft.aggregation == "seq_mean_token_sum"
+    )
+    assert compose("rm", [DATA, "train.epochs=3", "train.lr=1e-5"]).train.epochs == 3
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -81,7 +104,7 @@ def test_ill_typed_value_fails_naming_it(name):
 )
 def test_bad_values_fail_naming_the_field(name, overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        compose(name, overrides)
+        compose(name, [DATA, *overrides])
 
 
 def _write(path, rows):
@@ -98,7 +121,8 @@ def _write(path, rows):
                 {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]},
                 {"text": "no messages"},
             ],
-            r"data\.jsonl:2: missing field 'messages'",
+            r"data\.jsonl:2: missing field 'messages' \(or 'prompt' and 'completion'\) \(set "
+            r"data\.messages_key.*this row has \['text'\]\)",
         ),
         (
             "dpo",
@@ -106,7 +130,7 @@ def _write(path, rows):
                 {"prompt": "count 1", "chosen": "2", "rejected": "a"},
                 {"prompt": "count 1", "chosen": "2"},
             ],
-            r"data\.jsonl:2: missing field 'rejected'",
+            r"data\.jsonl:2: missing field 'rejected' \(set data\.rejected_key.*this row has \['chosen', 'prompt'\]\)",
         ),
         (
             "rm",
@@ -167,3 +191,43 @@ def test_missing_data_file_is_named(tmp_path, tiny_llama_dir):
     cfg = compose("rm", [f"data.path={tmp_path}/nope.jsonl", f"model.path={tiny_llama_dir}"])
     with pytest.raises(DataRowError, match=r"data\.path=.*nope\.jsonl.*no such file"):
         run(cfg)
+
+
+def test_columns_under_other_names_are_mapped_and_the_held_out_share_is_logged(
+    tmp_path, tiny_llama_dir, caplog
+):
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from rlhf.data.chat import load_pairs
+    from rlhf.sft import load_data
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    sft_rows = [{"question": f"count {i}", "solution": f"{i + 1}"} for i in range(8)]
+    sft = _write(tmp_path / "sft.jsonl", sft_rows)
+    keys = ["data.prompt_key=question", "data.completion_key=solution"]
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        train, held_out = load_data(compose("sft", [f"data.path={sft}", "data.eval_size=2", *keys]), tok)
+    assert (len(train), len(held_out)) == (6, 2)
+    assert "8 rows; 2 (25.0%) held out for evaluation (data.eval_size=2), 6 to train on" in caplog.text
+    # the mapped columns are what is trained on: "count 3" -> "4" exactly as with the default names
+    plain = _write(
+        tmp_path / "plain.jsonl", [{"prompt": r["question"], "completion": r["solution"]} for r in sft_rows]
+    )
+    same, _ = load_data(compose("sft", [f"data.path={plain}", "data.eval_size=2"]), tok)
+    assert [s.input_ids.tolist() for s in train] == [s.input_ids.tolist() for s in same]
+
+    pref_rows = [{"q": f"count {i}", "good": f"{i + 1}", "bad": "a"} for i in range(5)]
+    prefs = _write(tmp_path / "prefs.jsonl", pref_rows)
+    names = ["data.prompt_key=q", "data.chosen_key=good", "data.rejected_key=bad"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        pairs, none_held = load_pairs(compose("dpo", [f"data.path={prefs}", *names]).data, tok)
+    assert (len(pairs), none_held) == (5, [])
+    assert "5 pairs, all trained on; no held-out evaluation" in caplog.text
+    with pytest.raises(
+        DataRowError,
+        match=r"prefs\.jsonl:1: missing field 'chosen' \(set data\.chosen_key.*\['bad', 'good', 'q'\]",
+    ):
+        load_pairs(compose("rm", [f"data.path={prefs}", "data.prompt_key=q"]).data, tok)
