@@ -93,30 +93,20 @@ def calculator_schemas() -> list[dict]:
 def build_model(out: Path, rows: list[dict], hidden: int, layers: int) -> Path:
     """A tokenizer trained on rendered transcripts (ChatML tool template) and a tiny Qwen2."""
     from rlhf.agents.templates import CHATML_SPECIAL, CHATML_TOOL_TOKENS, CHATML_TOOLS
-    from rlhf.models.tiny import build_tiny_model, build_tokenizer
+    from rlhf.models.tiny import build_task_model
 
     tools = calculator_schemas()
-    draft = build_tokenizer(out / "draft_tokenizer", style="qwen2")
-    draft.chat_template = CHATML_TOOLS  # rendering depends on the template only, not the vocabulary
-    corpus = [draft.apply_chat_template(transcript(r), tools=tools, tokenize=False) for r in rows[:200]]
-    build_tokenizer(
-        out / "tokenizer",
-        corpus=corpus,
-        style="qwen2",
+    return build_task_model(
+        out,
+        lambda draft: [
+            draft.apply_chat_template(transcript(r), tools=tools, tokenize=False) for r in rows[:200]
+        ],
+        hidden,
+        layers,
+        chat_template=CHATML_TOOLS,
         extra_special_tokens=CHATML_SPECIAL,
         added_tokens=CHATML_TOOL_TOKENS,
         eos_token="<|im_end|>",
-        chat_template=CHATML_TOOLS,
-    )
-    return build_tiny_model(
-        out / "model",
-        arch="qwen2",
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=hidden // 64,
-        num_kv_heads=max(1, hidden // 128),
-        intermediate_size=hidden * 2,
-        tokenizer_dir=out / "tokenizer",
     )
 
 
@@ -193,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     files = write_data(out / "data", train, held_out)
     history, t_sft = sft_then_grpo(
         out,
-        [f"model.path={model}", "data.max_len=256", "train.max_tokens_per_microbatch=4096"],
+        [f"model.path={model}", "train.lr=0.001", "data.max_len=256", "train.max_tokens_per_microbatch=4096"],
         ["experiment=calc_tool", *args.overrides],
         files,
         args,

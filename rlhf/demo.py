@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     files = write_data(out / "data", args.seed)
     history, t_sft = sft_then_grpo(
         out,
-        ["data.max_len=32", "train.max_tokens_per_microbatch=512"],
+        ["data.max_len=32", "train.max_tokens_per_microbatch=512", "train.lr=0.001"],
         ["experiment=count_skill", *args.overrides],
         files,
         args,

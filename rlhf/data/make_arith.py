@@ -18,11 +18,13 @@ def write(out: str | Path, num_train: int = 2000, num_test: int = 200, seed: int
     import pyarrow.parquet as pq
 
     rows = arithmetic_word_problems(num_train + num_test, seed)
+    train, seen = rows[:num_train], {r["question"] for r in rows[:num_train]}
+    test = [r for r in rows[num_train:] if r["question"] not in seen]  # held out: never trained on
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"train": out / "train.parquet", "test": out / "test.parquet"}
-    pq.write_table(pa.Table.from_pylist(rows[:num_train]), files["train"])
-    pq.write_table(pa.Table.from_pylist(rows[num_train:]), files["test"])
+    pq.write_table(pa.Table.from_pylist(train), files["train"])
+    pq.write_table(pa.Table.from_pylist(test), files["test"])
     return files
 
 

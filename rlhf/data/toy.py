@@ -67,12 +67,13 @@ _ITEMS = ("apples", "books", "coins", "marbles", "pens", "stamps")
 
 def arithmetic_word_problems(n: int, seed: int = 0) -> list[dict]:
     """GSM8K-style rows ``{"question", "answer", "solution"}``: two-step word problems whose
-    ``answer`` is the final number (the ``#### X`` of a GSM8K solution)."""
+    ``answer`` is the final number (the ``#### X`` of a GSM8K solution). The numbers are small
+    (products of 2-5 and 1-9, sums below 70) so that a tiny model learns them on a CPU in minutes."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-        a, b, c = rng.randint(2, 40), rng.randint(2, 9), rng.randint(1, 30)
+        a, b, c = rng.randint(2, 20), rng.randint(2, 5), rng.randint(1, 9)
         if rng.random() < 0.5:
             q = f"{name} has {a} {item} and buys {b} bags of {c} {item} each. How many {item} does {name} have now?"
             steps, ans = f"{b} * {c} = {b * c}\n{a} + {b * c} = {a + b * c}", a + b * c

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
 
@@ -198,3 +198,35 @@ def build_tiny_model(
         )
     )
     return out
+
+
+def build_task_model(
+    out_dir: str | os.PathLike,
+    render: Callable[[Any], list[str]],
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    chat_template: str = CHAT_TEMPLATE,
+    **tokenizer_kwargs: Any,
+) -> Path:
+    """A tokenizer that reads the task's own text and a random-init tiny Qwen2 on it, in
+    ``<out_dir>/model`` (returned). A fixed toy vocabulary reads most of a new task as ``<unk>``;
+    this one is byte-level BPE (no ``<unk>`` at all, digits single tokens as in Qwen's) trained on
+    ``render(draft)``: the task's texts as the model will see them, rendered by a draft tokenizer
+    with the same ``chat_template`` (rendering depends on the template, not the vocabulary).
+    ``tokenizer_kwargs`` go to :func:`build_tokenizer` (special tokens, ``eos_token``)."""
+    out = Path(out_dir)
+    draft = build_tokenizer(out / "draft_tokenizer", style="qwen2", chat_template=chat_template)
+    corpus = render(draft)
+    build_tokenizer(
+        out / "tokenizer", corpus=corpus, style="qwen2", chat_template=chat_template, **tokenizer_kwargs
+    )
+    return build_tiny_model(
+        out / "model",
+        arch="qwen2",
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=hidden_size // 64,
+        num_kv_heads=max(1, hidden_size // 128),
+        intermediate_size=hidden_size * 2,
+        tokenizer_dir=out / "tokenizer",
+    )
