@@ -44,8 +44,6 @@ import logging
 import time
 from pathlib import Path
 
-log = logging.getLogger("rlhf")
-
 # A random-init tiny model takes ~100x a real model's step; LoRA adapters a larger one still.
 # (full weights: 1e-4 learns, 2e-4 and 3e-4 collapse held-out accuracy to ~0 within 20 steps)
 TINY_GRPO = {
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def _report(history: list[dict], out: Path, args, t0: float, t_sft: float) -> dict[str, float]:
-    from rlhf.demo import _num_rows, plot
+    from rlhf.demo import plot
 
     evals = [h for h in history if "eval/accuracy" in h]
     png = out / "progress.png"
@@ -143,7 +141,7 @@ def _report(history: list[dict], out: Path, args, t0: float, t_sft: float) -> di
         "pass8_after": last.get("eval/pass@8", float("nan")),
         "sft_s": t_sft - t0,
         "wall_s": wall,
-        "eval_prompts": min(_num_rows(Path(out / "data" / "test.parquet")), 200),
+        "eval_prompts": int(last["eval/num_prompts"]),
     }
     print(
         f"\nheld-out greedy accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "

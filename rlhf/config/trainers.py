@@ -37,9 +37,8 @@ class ChatDataConfig:
     max_len: int = 128  # tokens per sample (each of chosen and rejected for pairs)
     overlong: str = "error"  # error | skip (skipped rows are counted in the log)
     num_toy: int = 256  # rows of the toy task
-    eval_size: int = (
-        0  # samples (SFT) or pairs (DPO/RM) held out, evaluated before training and after every epoch
-    )
+    # samples (SFT) or pairs (DPO/RM) held out, evaluated before training and after every epoch
+    eval_size: int = 0
     seed: int = 0  # toy rows, held-out split and shuffling
 
     def __post_init__(self) -> None:
