@@ -18,17 +18,17 @@ class EnvConfig:
     # module:attribute of an rlhf.agents.tools.Tool; the final answer is scored by reward.function.
     tools: list[str] = field(default_factory=list)
     tool_parser: str = "hermes"  # <tool_call>{json}</tool_call>; rlhf.agents.parser.PARSERS
-    max_turns: int = 3
+    max_turns: int = 3  # policy turns per trajectory
     max_observation_tokens: int = 32  # text observations (StepResult.observation) only
     max_tool_output_chars: int = 2000  # a tool result longer than this is cut
-    max_calls_per_turn: int = 4
+    max_calls_per_turn: int = 4  # more tool calls in one turn come back as an error message
     tool_timeout_s: float = 10.0  # one tool call
     step_timeout_s: float = 60.0  # one env.step (all of a turn's tool calls)
     max_concurrency: int = 16  # env steps and tool calls running at once (threads)
     loop: str = "per_trajectory"  # per_trajectory | lockstep (every turn waits for the whole batch)
     sandbox_wall_s: float = 5.0  # the python tool: wall-clock, CPU, memory limits
-    sandbox_cpu_s: int = 5
-    sandbox_memory_mb: int = 512
+    sandbox_cpu_s: int = 5  # the python tool's CPU seconds
+    sandbox_memory_mb: int = 512  # the python tool's address space
     # error | drop: a trajectory the chat template renders differently as a whole conversation
     # (rlhf.agents.chat_delta); error fails the step before any update, drop leaves out its group
     on_template_drift: str = "error"

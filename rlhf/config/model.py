@@ -29,13 +29,13 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 class TinyModelConfig:
     """Random-init model built at run time when ``model.path`` is empty."""
 
-    arch: str = "llama"
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 2
-    num_kv_heads: int = 1
-    intermediate_size: int = 256
-    seed: int = 0
+    arch: str = "llama"  # llama | qwen2 (layout of the random-init model)
+    hidden_size: int = 128  # hidden width
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 2  # attention heads
+    num_kv_heads: int = 1  # key/value heads (grouped-query attention when < num_heads)
+    intermediate_size: int = 256  # MLP width
+    seed: int = 0  # weight init
 
     def __post_init__(self) -> None:
         _one_of("model.tiny.arch", self.arch, ("llama", "qwen2"))
@@ -49,9 +49,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 class LoraConfig:
     """LoRA adapters (PEFT) on every trained model; ``rank`` 0 = full fine-tuning."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = 0  # adapter rank r; 0 = full fine-tuning
+    alpha: float = 16.0  # scale alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapter's input
     target_modules: list[str] = field(default_factory=list)  # [] = the architecture's projections
     modules_to_save: list[str] = field(default_factory=list)  # also trained in full (e.g. lm_head)
 
@@ -69,6 +69,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = ""  # HF model dir (actor/reference init); "" = build model.tiny at run time
     critic_path: str = ""  # "" = critic from model.path with a fresh value head
+    # packed attention path (docs/gpu.md); auto = flash-attn, else varlen, else packed_sdpa
     attn_impl: str = "auto"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -37,12 +37,12 @@ class DataConfig:
     # dir), or "toy:count" (the bundled toy task, experiment=toy_count). Required: no default
     # data stands in for the user's. Other columns reach the reward as info[...].
     prompts: str = ""
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # the prompt column: a string, or a list of chat messages
     label_key: str = ""  # a column every row must have (e.g. "answer"); "" = no check
-    num_toy_prompts: int = 256
-    max_prompt_len: int = 64
+    num_toy_prompts: int = 256  # rows of the toy task (data.prompts=toy:count)
+    max_prompt_len: int = 64  # tokens; longer prompts follow overlong_prompts
     overlong_prompts: str = "error"  # error | skip (the number skipped is logged at start-up)
-    seed: int = 0
+    seed: int = 0  # toy rows and prompt order
 
     def __post_init__(self) -> None:
         _one_of("data.overlong_prompts", self.overlong_prompts, ("error", "skip"))
@@ -54,16 +54,16 @@ class RolloutConfig:
     # vllm | hf: what samples (rlhf.workers.rollout / rlhf.workers.hf_rollout); hf is faster for
     # tiny models on CPU, where vLLM's per-step scheduling outweighs the model, and needs no vLLM
     backend: str = "vllm"
-    num_engines: int = 1
-    max_model_len: int = 128
-    max_new_tokens: int = 16
-    n_samples_per_prompt: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    dtype: str = "float32"
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
+    num_engines: int = 1  # rollout engine actors (vLLM or hf), each with the whole model
+    max_model_len: int = 128  # prompt + response tokens per sequence (all turns of a trajectory)
+    max_new_tokens: int = 16  # tokens per response (per turn in multi-turn runs)
+    n_samples_per_prompt: int = 4  # responses per prompt (a group, for grpo/rloo)
+    temperature: float = 1.0  # sampling temperature (logprobs are of the tempered distribution)
+    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_k: int = -1  # -1 = off
+    dtype: str = "float32"  # engine weights: float32 | bfloat16 (GPU)
+    gpu_memory_utilization: float = 0.5  # vLLM's share of the GPU memory (weights + KV cache)
+    enforce_eager: bool = True  # true = no CUDA graphs (faster start; false for speed on GPU)
     max_restarts: int = 1  # engine restarts per generate call before a step fails
     # auto | object_store | nccl | ipc: how the actor's weights reach the engines (rlhf.workers.weight_sync)
     weight_sync: str = "auto"
@@ -168,34 +168,34 @@ class AlgorithmConfig:
 
     advantage: str = "gae"  # a name in rlhf.algorithms.registry.ESTIMATORS
     policy_loss: str = "ppo"  # ppo | gspo (rlhf.algorithms.registry.POLICY_LOSSES)
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.01
-    kl_kind: str = "k1"
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 0.95  # GAE lambda
+    kl_coef: float = 0.01  # weight of KL(pi || ref); 0 = no reference model
+    kl_kind: str = "k1"  # k1 | k2 | k3 estimator of the KL (Schulman's)
     kl_in_reward: bool = True  # False = KL as a loss term (GRPO style)
     kl_clamp: float = 10.0  # |KL estimate| per token is clamped to this (verl/OpenRLHF); 0 = off
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
+    clip_eps_low: float = 0.2  # PPO ratio clip below 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # above 1 + clip_eps_high (DAPO's clip-higher: 0.28)
     dual_clip: float = 0.0  # 0 = off; else e.g. 3.0
-    value_clip: float = 0.2
-    entropy_coef: float = 0.0
-    loss_aggregation: str = "token_mean"
-    normalize_advantages: bool = True
+    value_clip: float = 0.2  # critic value clip around the old values; 0 = off
+    entropy_coef: float = 0.0  # entropy bonus weight; 0 = entropy only logged
+    loss_aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    normalize_advantages: bool = True  # whiten advantages over the batch's action tokens
     # Training-inference mismatch: none | tis (truncate pi_old/pi_rollout at tis_cap) |
     # mis (weight 0 where it leaves [mis_low, mis_high]); per token, sequence or geometric mean.
     rollout_correction: str = "none"
-    rollout_correction_level: str = "token"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
+    rollout_correction_level: str = "token"  # token | sequence | geometric
+    tis_cap: float = 2.0  # tis: importance weights above this are truncated
+    mis_low: float = 0.5  # mis: tokens whose weight is below this get none
+    mis_high: float = 2.0  # mis: tokens whose weight is above this get none
     # DAPO dynamic sampling: drop groups whose scores are all equal and generate more prompts,
     # at most dynamic_sampling_max_rounds generation rounds per step (then train on what there is).
     dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 10
+    dynamic_sampling_max_rounds: int = 10  # generation rounds per step at most
     # DAPO overlong shaping: a linear penalty up to -overlong_penalty over the last
     # overlong_buffer_frac * rollout.max_new_tokens tokens (0 = off; DAPO: 4096 of 20480 = 0.2).
     overlong_buffer_frac: float = 0.0
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # the penalty at the very last token
     overlong_filter: bool = False  # True = samples cut by max_new_tokens get no policy loss
 
     def __post_init__(self) -> None:
@@ -251,9 +251,9 @@ class DeepSpeedConfig:
     assembly (``rlhf.trainer.setup.deepspeed_settings``) hands them to each model group as
     ``rlhf.workers.deepspeed_worker.DeepSpeedSettings``, a subclass of this one."""
 
-    zero_stage: int = 2
-    bf16: bool = False
-    weight_decay: float = 0.0
+    zero_stage: int = 2  # 0 | 1 | 2 | 3 (DeepSpeed ZeRO)
+    bf16: bool = False  # bfloat16 training (GPU); false = fp32
+    weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # 0 = no clipping
     warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
     gradient_checkpointing: bool = False  # recompute activations in backward (long rows on GPU)
@@ -339,7 +339,8 @@ class RunConfig(DeepSpeedConfig):
     """What every trainer's run shares besides DeepSpeed: where it writes, checkpoints,
     resuming and stopping (``rlhf.trainer.run_control``)."""
 
-    seed: int = 0
+    seed: int = 0  # sampling seeds, shuffling and init derive from it
+    # checkpoints, final model, metrics.jsonl, logs/; or a storage URI (s3://...)
     output_dir: str = "runs/ppo"
     # auto = continue from <output_dir>/checkpoints/latest when there is one (a restarted job
     # resumes); true = there must be one; false = start at step 0 (an earlier run's
@@ -351,7 +352,7 @@ class RunConfig(DeepSpeedConfig):
     # SIGTERM/SIGINT: finish or set aside the step in flight, checkpoint and exit within this
     # many seconds (Kubernetes kills a pod 30 s after SIGTERM by default).
     stop_grace_s: float = 25.0
-    tensorboard: bool = True
+    tensorboard: bool = True  # write <output_dir>/tensorboard
     wandb_project: str = ""  # "" = wandb off
     save_merged: bool = False  # model.lora: also write <output_dir>/final_merged (adapter folded in)
 
@@ -369,13 +370,13 @@ class RunConfig(DeepSpeedConfig):
 
 @dataclass
 class TrainConfig(RunConfig):
-    num_steps: int = 20
+    num_steps: int = 20  # RL steps (one rollout batch and its updates each)
     rollout_batch_size: int = 8  # prompts per step (x n_samples_per_prompt samples)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each rollout batch
     num_minibatches: int = 1  # optimizer steps per epoch
-    max_tokens_per_microbatch: int = 2048
-    actor_lr: float = 1e-3
-    critic_lr: float = 1e-3
+    max_tokens_per_microbatch: int = 2048  # packing budget: tokens per packed row of one forward
+    actor_lr: float = 1e-3  # policy learning rate (constant after warmup)
+    critic_lr: float = 1e-3  # value model learning rate (gae)
     # 0 = synchronous; k >= 1 = the engines generate up to k steps ahead of the trainer
     # (one-step-off for k=1): their weights are at most k versions old, nothing is discarded.
     max_staleness: int = 0
@@ -404,17 +405,17 @@ class ClusterConfig:
     address: str = ""  # "" = start a local Ray; "auto" = join the running cluster
     num_cpus: int = 8  # logical CPUs for a local Ray (may exceed physical cores)
     device: str = "cpu"  # cpu | cuda
-    actor_ranks: int = 1
-    critic_ranks: int = 1
-    ref_ranks: int = 1
-    reward_ranks: int = 1
+    actor_ranks: int = 1  # DeepSpeed ranks (processes) of the policy
+    critic_ranks: int = 1  # ranks of the critic (gae)
+    ref_ranks: int = 1  # ranks of the reference model (KL)
+    reward_ranks: int = 1  # ranks of the reward model (reward.type=model)
     colocate: bool = True  # all training roles share one placement group's bundles
     # Engines on the training GPUs (engine i on bundle i), sleeping while the trainer runs. GPU only.
     colocate_engines: bool = False
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    cpus_per_engine: float = 1.0
-    gpus_per_engine: float = 0.0
+    cpus_per_worker: float = 1.0  # Ray CPUs per DeepSpeed rank
+    gpus_per_worker: float = 0.0  # Ray GPUs per DeepSpeed rank
+    cpus_per_engine: float = 1.0  # Ray CPUs per rollout engine
+    gpus_per_engine: float = 0.0  # Ray GPUs per rollout engine (a fraction shares a GPU)
     # Longest wait for the cluster to grant the run's CPUs/GPUs and for engines and ranks to start.
     startup_timeout_s: float = 300.0
     # pack | spread | strict_spread: how the bundles of each model group's placement group lie

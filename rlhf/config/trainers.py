@@ -30,10 +30,10 @@ class ChatDataConfig:
     # Columns: SFT reads messages_key, else prompt_key + completion_key; DPO/RM read prompt_key,
     # chosen_key and rejected_key.
     messages_key: str = "messages"
-    prompt_key: str = "prompt"
-    completion_key: str = "completion"
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
+    prompt_key: str = "prompt"  # the prompt column (SFT with completion_key; DPO/RM)
+    completion_key: str = "completion"  # SFT: the completion column (with prompt_key)
+    chosen_key: str = "chosen"  # DPO/RM: the preferred response's column
+    rejected_key: str = "rejected"  # DPO/RM: the other response's column
     max_len: int = 128  # tokens per sample (each of chosen and rejected for pairs)
     overlong: str = "error"  # error | skip (skipped rows are counted in the log)
     num_toy: int = 256  # rows of the toy task
@@ -50,7 +50,7 @@ class ChatDataConfig:
 
 @dataclass
 class SupervisedTrainConfig(RunConfig):
-    epochs: int = 1
+    epochs: int = 1  # passes over the training rows
     max_steps: int = 0  # cap on optimizer steps; 0 = run every epoch to the end
     batch_size: int = 16  # samples (SFT) or pairs (DPO/RM) per optimizer step
     max_tokens_per_microbatch: int = 1024  # packing budget of one micro-batch row
@@ -58,7 +58,7 @@ class SupervisedTrainConfig(RunConfig):
     # (DEFAULT_LR below: SFT and RM 1e-5 / 1e-4, DPO 1e-6 / 1e-5)
     lr: float | None = None
     lr_schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at the last step)
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = 0.0  # cosine: the last step's lr as a share of lr
     output_dir: str = "runs/sft"  # the trained model lands in <output_dir>/final
 
     def __post_init__(self) -> None:

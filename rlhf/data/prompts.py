@@ -130,8 +130,8 @@ def warn_unknown_tokens(prompts: list[Prompt], tokenizer, what: str) -> float:
         _warned_unknown.add(what)
         logging.getLogger("rlhf").warning(
             "%.0f%% of the prompt tokens of %s are the tokenizer's unknown token %r: the model cannot read "
-            "this data. Use a model whose tokenizer covers it (model=hf model.path=DIR, README 'Bring your "
-            "model'); the tiny model's word-level tokenizer knows only the toy tasks' words",
+            "this data. Use a model whose tokenizer covers it (model=hf model.path=DIR, docs/models.md); "
+            "the tiny model's word-level tokenizer knows only the toy tasks' words",
             100 * frac,
             what,
             tokenizer.unk_token,

@@ -106,7 +106,7 @@ def check_shared_dir(path: str, timeout_s: float, setting: str = "train.output_d
             f"{setting}={path} is not shared: nodes {blind} do not see the file the driver wrote in it "
             f"(each node has its own disk there){relative}. Ranks write their checkpoint parts into it, so a resume "
             f"would miss them. Use a directory every node mounts (NFS, a KubeRay PVC) or a storage URI, "
-            f"e.g. {setting}=s3://bucket/run (README: Several nodes)"
+            f"e.g. {setting}=s3://bucket/run (docs/multi-node.md)"
         )
 
 

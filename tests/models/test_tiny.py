@@ -47,4 +47,4 @@ def test_unknown_token_share_is_measured_and_warned_once(tiny_llama_dir, caplog)
         warn_unknown_tokens(prompts, tok, "data.prompts=test-unk")
         warn_unknown_tokens([Prompt("", known)], tok, "data.prompts=test-known")
     warned = [r.getMessage() for r in caplog.records if "unknown token" in r.getMessage()]
-    assert len(warned) == 1 and f"{100 * plain_count:.0f}%" in warned[0] and "Bring your model" in warned[0]
+    assert len(warned) == 1 and f"{100 * plain_count:.0f}%" in warned[0] and "docs/models.md" in warned[0]
