@@ -190,8 +190,10 @@ def test_readme_rlvr_recipe_at_realistic_batch_sizes(tmp_path):
     step = next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
     assert step["rollout/num_samples"] == 64 * 8
     assert {"reward/math_verify_reward", "reward/format_reward"} <= step.keys()
+    assert step["reward/verify_timeouts"] == 0.0  # counted every step, 0 included
     final = [r for r in rows if "eval/pass@4" in r]
     assert len(final) == 2  # before the first step and after the last
+    assert all(r["eval/reward/verify_timeouts"] == 0.0 for r in final)
     # every test question: make_arith drops the few that also appear in train
     assert rows[-1]["eval/num_prompts"] == pq.read_table(tmp_path / "data/arith/test.parquet").num_rows
     # the engines' start-up noise went to their log file, not to the console

@@ -101,6 +101,9 @@ class RewardConfig:
     functions: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)  # [] = 1 each
     timeout_s: float = 60.0  # longest one reward call (one sample, or one batch) may take
+    # math_verify_reward: one check's budget; past it the check is stopped (its process killed),
+    # the sample scores 0 and counts in reward/verify_timeouts
+    verify_timeout_s: float = 5.0
     model_path: str = ""  # sequence-classification dir when type=model
     non_finite: str = "error"  # error | drop: what a NaN/inf score does
     # fail | zero | drop: what a reward call that raises does (zero and drop count in reward/errors)
@@ -114,6 +117,12 @@ class RewardConfig:
         _one_of("reward.non_finite", self.non_finite, ("error", "drop"))
         _one_of("reward.on_error", self.on_error, ("fail", "zero", "drop"))
         _check(self.timeout_s > 0, f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        _check(
+            0 < self.verify_timeout_s < self.timeout_s,
+            f"reward.verify_timeout_s={self.verify_timeout_s:g} must be > 0 and below reward.timeout_s="
+            f"{self.timeout_s:g}: a math-verify check past its budget scores 0, a reward call past "
+            "reward.timeout_s fails the step",
+        )
         _check(
             not self.weights or len(self.weights) == len(self.functions),
             f"reward.weights has {len(self.weights)} entries for {len(self.functions)} reward.functions",

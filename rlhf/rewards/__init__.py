@@ -33,6 +33,21 @@ class RewardFunctionError(RuntimeError):
     """The reward function raised, hung, or returned something that is not a finite number."""
 
 
+_counting = threading.local()  # the counts of the batch the current reward thread scores
+
+
+def count(event: str, n: int = 1) -> None:
+    """Count ``event`` for the batch being scored, logged as ``reward/<event>`` for the step.
+
+    For reward functions: a function that lists the events it counts in a ``counts`` attribute
+    (e.g. ``fn.counts = ("verify_timeouts",)``) has them logged every step, 0 included. A no-op
+    when the function is called outside a scored batch.
+    """
+    counts = getattr(_counting, "counts", None)
+    if counts is not None:
+        counts[event] = counts.get(event, 0) + n
+
+
 def batched(fn: Callable) -> Callable:
     """Mark ``fn(prompts, responses, infos) -> list[float]`` as called once per batch."""
     fn.batched = True
@@ -45,6 +60,7 @@ def _call_each(
     timeout_s: float,
     what: Callable[[int], str],
     keep_going: bool = False,
+    counts: dict[str, int] | None = None,
 ) -> list[Any]:
     """``[fn(*args) for args in calls]`` on one daemon thread, each call bounded by ``timeout_s``.
 
@@ -52,13 +68,15 @@ def _call_each(
     rule-based reward. A call still running after ``timeout_s`` is an error naming it
     (``what(i)``); the thread is abandoned (Python cannot stop it, but it no longer blocks the
     run). A call that raises is re-raised here with ``_CallFailed`` telling which one; with
-    ``keep_going`` its ``_CallFailed`` is its result instead and the next call runs.
+    ``keep_going`` its ``_CallFailed`` is its result instead and the next call runs. What the
+    calls :func:`count` goes into ``counts``.
     """
     results: list[Any] = []
     failure: list[BaseException] = []
     cond = threading.Condition()
 
     def run() -> None:
+        _counting.counts = counts
         for i, args in enumerate(calls):
             try:
                 value = fn(*args)
@@ -121,13 +139,14 @@ class RewardComponent:
         infos: Sequence[dict],
         timeout_s: float,
         keep_going: bool = False,
+        counts: dict[str, int] | None = None,
     ) -> list[float | None]:
         """One float per sample. Raises ``RewardFunctionError`` naming the sample on failure;
-        with ``keep_going`` a sample whose call raised gets None (and is logged) instead."""
+        with ``keep_going`` a sample whose call raised gets None (and is logged) instead. The
+        function's :func:`count` events go into ``counts``."""
         if getattr(self.fn, "batched", False):
-            out = self._call(
-                [(list(prompts), list(responses), list(infos))], timeout_s, prompts, responses, batch=True
-            )[0]
+            batch = [(list(prompts), list(responses), list(infos))]
+            out = self._call(batch, timeout_s, prompts, responses, batch=True, counts=counts)[0]
             if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
                 raise RewardFunctionError(
                     f"{self.name} (batched) returned {type(out).__name__} of length "
@@ -135,7 +154,7 @@ class RewardComponent:
                 )
         else:
             calls = list(zip(prompts, responses, infos, strict=True))
-            out = self._call(calls, timeout_s, prompts, responses, keep_going=keep_going)
+            out = self._call(calls, timeout_s, prompts, responses, keep_going=keep_going, counts=counts)
         scores: list[float | None] = []
         for i, v in enumerate(out):
             if isinstance(v, _CallFailed):
@@ -153,9 +172,10 @@ class RewardComponent:
         responses,
         batch: bool = False,
         keep_going: bool = False,
+        counts: dict[str, int] | None = None,
     ) -> list:
         try:
-            return _call_each(self.fn, calls, timeout_s, lambda i: self._what(i, batch), keep_going)
+            return _call_each(self.fn, calls, timeout_s, lambda i: self._what(i, batch), keep_going, counts)
         except _CallFailed as failed:
             raise self._failure(failed, prompts, responses, batch) from failed.error
 
@@ -176,11 +196,12 @@ class RewardComponent:
 class Scores(NamedTuple):
     """What ``Reward`` gives for a batch: the weighted total per sample (NaN for a sample whose
     call raised under ``on_error=drop``), each component's own scores, and the samples whose
-    call raised (``on_error`` zero or drop)."""
+    call raised (``on_error`` zero or drop), and the events the functions counted (``count``)."""
 
     totals: list[float]
     parts: dict[str, list[float]]
     errors: list[int]
+    counts: dict[str, int] = {}
 
 
 class Reward:
@@ -208,10 +229,12 @@ class Reward:
     def from_config(cls, reward_cfg, label_key: str = "answer") -> Reward:
         """``reward.functions`` with ``reward.weights`` (default 1 each), else ``reward.function``.
         The built-in verifiers read their label from column ``label_key``."""
-        specs = reward_cfg.specs
+        specs, verify_timeout = reward_cfg.specs, reward_cfg.verify_timeout_s
         weights = list(reward_cfg.weights) or [1.0] * len(specs)
         comps = [
-            RewardComponent(_short_name(s), _with_label_key(load_reward_fn(s), label_key), float(w))
+            RewardComponent(
+                _short_name(s), _bind_builtin(load_reward_fn(s), label_key, verify_timeout), float(w)
+            )
             for s, w in zip(specs, weights, strict=True)
         ]
         return cls(comps, reward_cfg.timeout_s, reward_cfg.on_error)
@@ -219,8 +242,10 @@ class Reward:
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], infos: Sequence[dict]) -> Scores:
         """Total score per sample, each component's own scores (unweighted), the failed samples."""
         keep_going = self.on_error != "fail"
+        counts = {event: 0 for c in self.components for event in getattr(c.fn, "counts", ())}
         raw = {
-            c.name: c.score(prompts, responses, infos, self.timeout_s, keep_going) for c in self.components
+            c.name: c.score(prompts, responses, infos, self.timeout_s, keep_going, counts)
+            for c in self.components
         }
         errors = sorted({i for scores in raw.values() for i, v in enumerate(scores) if v is None})
         parts = {k: [0.0 if v is None else v for v in scores] for k, scores in raw.items()}
@@ -230,18 +255,21 @@ class Reward:
             else math.fsum(c.weight * parts[c.name][i] for c in self.components)
             for i in range(len(prompts))
         ]
-        return Scores(totals, parts, errors)
+        return Scores(totals, parts, errors, dict(counts))
 
 
-def _with_label_key(fn: Callable, label_key: str) -> Callable:
-    """A built-in verifier reading its label from ``label_key`` (``reward.label_key``); any
-    other function as it is (it reads ``info`` itself)."""
-    if (
-        getattr(fn, "__module__", "") != "rlhf.rewards.verifiers"
-        or "key" not in inspect.signature(fn).parameters
-    ):
+def _bind_builtin(fn: Callable, label_key: str, verify_timeout_s: float) -> Callable:
+    """A built-in verifier with its label column (``reward.label_key``) and, for math-verify,
+    its per-check budget (``reward.verify_timeout_s``) bound; any other function as it is (it
+    reads ``info`` itself)."""
+    if getattr(fn, "__module__", "") != "rlhf.rewards.verifiers":
         return fn
-    bound = functools.partial(fn, key=label_key)
+    params = inspect.signature(fn).parameters
+    kwargs = {"key": label_key, "timeout_s": verify_timeout_s}
+    kwargs = {k: v for k, v in kwargs.items() if k in params}
+    if not kwargs:
+        return fn
+    bound = functools.partial(fn, **kwargs)
     functools.update_wrapper(bound, fn)
     return bound
 

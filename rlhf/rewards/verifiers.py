@@ -17,9 +17,12 @@ Final-answer extraction (:func:`extract_answer`), first match wins: ``#### X`` (
 
 from __future__ import annotations
 
-import logging
 import math
 import re
+import threading
+
+from rlhf.rewards import count
+from rlhf.rewards.verify_process import VerifyProcess
 
 __all__ = [
     "exact_match_reward",
@@ -29,17 +32,6 @@ __all__ = [
     "numeric_match_reward",
 ]
 
-
-class _NoTimeoutNotice(logging.Filter):
-    """math-verify warns once that its own (signal-based) timeouts are off: they are off on
-    purpose, every reward call is bounded by reward.timeout_s instead (rlhf.rewards)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-for _name in ("math_verify.grader", "math_verify.parser"):
-    logging.getLogger(_name).addFilter(_NoTimeoutNotice())
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -113,19 +105,36 @@ def numeric_match_reward(
     return float(got is not None and math.isclose(got, want, rel_tol=rel_tol, abs_tol=1e-9))
 
 
-def math_verify_reward(prompt: str, response: str, info: dict, key: str = "answer") -> float:
-    """1.0 when ``math-verify`` finds the response's answer equivalent to ``info[key]``, else 0.0."""
-    from math_verify import parse, verify
+def math_verify_reward(
+    prompt: str, response: str, info: dict, key: str = "answer", timeout_s: float = 5.0
+) -> float:
+    """1.0 when ``math-verify`` finds the response's answer equivalent to ``info[key]``, else 0.0.
 
+    The check runs in a process of its own (``rlhf.rewards.verify_process``), bounded by
+    ``timeout_s`` (``reward.verify_timeout_s``): one that runs longer is stopped, scores 0.0 and
+    counts in ``reward/verify_timeouts``.
+    """
     label = _label(info, key)
-    # math-verify's own timeouts use signal.alarm, which works only on the main thread; the
-    # reward call is bounded by reward.timeout_s instead (rlhf.rewards runs it on a thread).
-    gold = parse(label if "$" in label or "\\" in label else f"${label}$", parsing_timeout=None)
     answer = extract_answer(response)
-    if answer is None or not gold:
+    if answer is None:
         return 0.0
-    pred = parse(answer if "$" in answer or "\\" in answer else f"${answer}$", parsing_timeout=None)
-    return float(bool(pred) and verify(gold, pred, timeout_seconds=None))
+    score = _verify_process().check(label, answer, timeout_s)
+    if score is None:
+        count("verify_timeouts")
+        return 0.0
+    return score
+
+
+math_verify_reward.counts = ("verify_timeouts",)
+_PROCESS: list[VerifyProcess] = []  # started on the first check, shared by every caller
+_PROCESS_LOCK = threading.Lock()
+
+
+def _verify_process() -> VerifyProcess:
+    with _PROCESS_LOCK:
+        if not _PROCESS:
+            _PROCESS.append(VerifyProcess())
+        return _PROCESS[0]
 
 
 def format_reward(prompt: str, response: str, info: dict) -> float:

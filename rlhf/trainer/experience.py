@@ -36,6 +36,9 @@ class RolloutStats:
     reward_errors: int = 0  # reward calls that raised, under reward.on_error=zero|drop
     overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
     reward_components: dict[str, float] = field(default_factory=dict)  # mean of each weighted part
+    reward_counts: dict[str, int] = field(
+        default_factory=dict
+    )  # events the reward counted (rlhf.rewards.count)
     agent: dict[str, float] = field(default_factory=dict)  # agent/* metrics of multi-turn rollouts
 
     def merge(self, other: RolloutStats) -> RolloutStats:
@@ -57,6 +60,10 @@ class RolloutStats:
                 k: mean(self.reward_components.get(k, 0.0), other.reward_components.get(k, 0.0)) for k in keys
             },
             agent={**self.agent, **other.agent},
+            reward_counts={
+                k: self.reward_counts.get(k, 0) + other.reward_counts.get(k, 0)
+                for k in set(self.reward_counts) | set(other.reward_counts)
+            },
         )
 
 
@@ -285,7 +292,7 @@ class ExperienceMaker:
                 "return a reward from the environment's last step, or set reward.function"
             )
         else:
-            model_scores, parts, errors = self.reward(
+            model_scores, parts, errors, counts = self.reward(
                 [s.prompt or "" for s in todo],
                 [
                     s.final_response
@@ -296,6 +303,8 @@ class ExperienceMaker:
                 [s.info for s in todo],
             )
             stats.reward_errors += len(errors)
+            for k, v in counts.items():
+                stats.reward_counts[k] = stats.reward_counts.get(k, 0) + v
             if errored is not None:
                 errored.update(rest[i] for i in errors)
             if parts:  # one function too: reward/<fn> names what scored the run

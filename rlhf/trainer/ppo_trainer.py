@@ -341,6 +341,7 @@ class PPOTrainer:
             "reward/errors": float(rstats.reward_errors),
             "reward/overlong_penalty_mean": rstats.overlong_penalty_mean,
             **{f"reward/{k}": v for k, v in rstats.reward_components.items()},
+            **{f"reward/{k}": float(v) for k, v in rstats.reward_counts.items()},
             **rstats.agent,
             # Multi-turn: tokens the environment inserted after the policy's first turn.
             "rollout/observation_tokens_mean": sum(len(s) - s.response_start - s.num_actions for s in samples)

@@ -90,7 +90,7 @@ def test_weighted_components_and_a_batched_function():
         return float(r == info["answer"])
 
     reward = Reward([RewardComponent("answer", answer, 0.9), RewardComponent("lengths", lengths, 0.1)])
-    totals, parts, _ = reward(
+    totals, parts, _, _ = reward(
         ["p", "p", "p"], ["3", "44", "3"], [{"answer": "3"}, {"answer": "3"}, {"answer": "4"}]
     )
     assert calls == [3]  # one call for the batch
@@ -121,7 +121,7 @@ def test_reward_from_config(tmp_path):
         ],
     )
     reward = Reward.from_config(cfg.reward)
-    totals, parts, _ = reward(["q"], ["#### 7"], [{"answer": "7"}])
+    totals, parts, _, _ = reward(["q"], ["#### 7"], [{"answer": "7"}])
     assert totals == [1.5] and set(parts) == {"exact_match_reward", "format_reward"}
     with pytest.raises(ConfigError, match="reward.weights has 1 entries for 2"):
         compose("ppo", ["data.prompts=prompts.jsonl", "reward.functions=[a:b,c:d]", "reward.weights=[1.0]"])
@@ -184,7 +184,7 @@ def test_the_built_in_verifiers_read_the_label_column_the_config_names():
     ):
         cfg = compose("ppo", ["data.prompts=p.jsonl", fns, *overrides])
         assert cfg.label_key == key
-        totals, parts, errors = Reward.from_config(cfg.reward, cfg.label_key)(
+        totals, parts, errors, _ = Reward.from_config(cfg.reward, cfg.label_key)(
             ["q", "q"], ["#### 7", "#### 8"], [{key: "7"}, {key: "7"}]
         )
         assert totals == [2.0, 0.0] and errors == []
@@ -222,7 +222,7 @@ def test_a_reward_that_raises_on_some_rows_fails_scores_zero_or_drops(on_error):
         with pytest.raises(RewardFunctionError, match="picky on sample 1 raised .ValueError: cannot parse"):
             reward(["p"] * 3, ["ok", "bad", "ok"], [{}] * 3)
         return
-    totals, parts, errors = reward(["p"] * 3, ["ok", "bad", "ok"], [{}] * 3)
+    totals, parts, errors, _ = reward(["p"] * 3, ["ok", "bad", "ok"], [{}] * 3)
     assert errors == [1] and parts["picky"] == [1.0, 0.0, 1.0]
     if on_error == "zero":
         assert totals == [1.5, 0.5, 1.5]
