@@ -109,7 +109,7 @@ def build_tokenizer(
         tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-        trainer = trainers.WordLevelTrainer(special_tokens=special, min_frequency=1)
+        trainer = trainers.WordLevelTrainer(special_tokens=special, min_frequency=1, show_progress=False)
         tok.train_from_iterator(corpus, trainer=trainer)
     else:
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -125,6 +125,7 @@ def build_tokenizer(
             special_tokens=special,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             min_frequency=1,
+            show_progress=False,  # its bar would be the console's first line
         )
         # each word alone too, so that a word opening a text is one token as well
         tok.train_from_iterator([*corpus, *(w for text in corpus for w in text.split())], trainer=trainer)

@@ -41,11 +41,21 @@ class PlainProgress:
         if self.n - self.last_n >= self.every or now - self.last_t >= self.every_s or self.n >= self.total:
             per_step = (now - self.t0) / max(self.n - self.first, 1)
             extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
-            self.write(f"rlhf: step {self.n}/{self.total} ({per_step:.1f} s/step) {extra}".rstrip())
+            rate = f"{per_step:.1f} s/step" if per_step >= 0.1 else f"{per_step * 1000:.0f} ms/step"
+            self.write(f"rlhf: step {self.n}/{self.total} ({rate}) {extra}".rstrip())
             self.last_n, self.last_t = self.n, now
 
     def close(self) -> None:
         pass
+
+
+def _terminal_columns() -> int:
+    """The width of the terminal stderr writes to; 0 when it is no terminal, or one without a
+    size (a pty opened by a program rather than a terminal), where tqdm would print nothing."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns if sys.stderr.isatty() else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 class Tracker:
@@ -68,11 +78,15 @@ class Tracker:
         self.history: list[dict] = self._keep_rows(self.dir / "metrics.jsonl", start_step)
         # A terminal gets a progress bar; a log file, `ray job logs` or CI get a plain line now and
         # then (a bar there is one \r-joined line of many KB)
-        self.bar = (
-            tqdm(total=total_steps, initial=start_step, desc="rlhf", dynamic_ncols=True)
-            if sys.stderr.isatty()
-            else PlainProgress(total_steps, start_step)
-        )
+        self._console = contextlib.ExitStack()
+        if _terminal_columns() > 0:
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="rlhf", dynamic_ncols=True)
+            # log lines go above the bar (tqdm.write) instead of onto its line
+            self._console.enter_context(logging_redirect_tqdm())
+        else:
+            self.bar = PlainProgress(total_steps, start_step)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -131,6 +145,7 @@ class Tracker:
         log.debug("step %d %s", step, " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
     def close(self) -> None:
+        self._console.close()
         self.bar.close()
         self.jsonl.close()
         if self.tb is not None:

@@ -21,3 +21,34 @@ def test_plain_progress_prints_a_line_every_twentieth_of_the_run_or_30_s_and_at_
         now[0] += 40.0
         p.update(1)
     assert lines == [f"rlhf: step {n}/1000 (40.0 s/step)" for n in (501, 502, 503)]
+
+
+def test_fast_steps_show_milliseconds_not_zero_seconds():
+    now, lines = [0.0], []
+    p = PlainProgress(60, write=lines.append, clock=lambda: now[0])
+    for _ in range(3):
+        now[0] += 0.028
+        p.update(1)
+    assert lines == ["rlhf: step 3/60 (28 ms/step)"]
+
+
+def test_a_terminal_without_a_size_gets_plain_lines(monkeypatch):
+    """A pty a program opened (`script` without a terminal, some CI runners) has 0 columns:
+    tqdm would print nothing there at all, so it gets the plain lines."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    from rlhf.trainer.tracking import _terminal_columns
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as tty:
+        monkeypatch.setattr("sys.stderr", tty)
+        assert tty.isatty() and _terminal_columns() == 0
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        assert _terminal_columns() == 120
+    os.close(master)
+    monkeypatch.setattr("sys.stderr", open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
+    assert _terminal_columns() == 0
