@@ -38,8 +38,9 @@ full weights collapse held-out accuracy (14% -> 2% by step 20); 1e-4 with 16 pro
 batch (``train.num_minibatches=4``) fall to 7.7% by step 40; one-step-off generation
 (``train.max_staleness=1``) is slower here (6-7 s a step against 4.2 s: training is the slower
 phase and needs its scoring forward again); rollouts at temperature 0.7 reach 19.9% after 100
-steps, and 16 prompts x 16 samples a step 16.3% after 80. A plain PyTorch SFT loop on the same data and
-settings reaches 12.2% (the pipeline: 14.3%), so the warm start is not held back by the trainer.
+steps, and 16 prompts x 16 samples a step 16.3% after 80. A plain PyTorch SFT loop on the same
+data and settings reaches 12.2% (the pipeline: 14.3%), so the warm start is not held back by the
+trainer.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ and the name; the config key reference is regenerated from the schema, never edi
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -27,25 +26,6 @@ _PYNAME = re.compile(r"(?<![\w./-])rlhf(?:\.\w+)+")
 _FILE_SUFFIXES = {"py", "jsonl", "json", "parquet", "yaml", "yml", "md", "txt", "png", "log"}
 # Names that read like config keys but are not: an environment's methods.
 _NOT_KEYS = {"env.step", "env.reset"}
-
-
-def config_keys() -> set[str]:
-    """Every key and section of every entry point, e.g. ``model.lora.rank`` and ``model.lora``."""
-    keys: set[str] = set()
-
-    def walk(prefix: str, cls: type) -> None:
-        keys.add(prefix)
-        for f in dataclasses.fields(cls):
-            sub = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
-            if sub is not None:
-                walk(f"{prefix}.{f.name}", sub)
-            else:
-                keys.add(f"{prefix}.{f.name}")
-
-    for root in reference.entry_points().values():
-        for f in dataclasses.fields(root):
-            walk(f.name, f.default_factory)
-    return keys
 
 
 def named_keys(text: str) -> set[str]:
@@ -79,7 +59,7 @@ def _python_name_exists(dotted: str) -> bool:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_config_keys_exist(page: Path) -> None:
-    unknown = sorted(named_keys(page.read_text()) - config_keys())
+    unknown = sorted(named_keys(page.read_text()) - reference.keys())
     assert not unknown, f"{page.relative_to(ROOT)} names config keys no schema has: {unknown}"
 
 
@@ -110,7 +90,7 @@ def test_the_scanners_catch_a_rename() -> None:
         "`experiment=rlvr_math`; see `rlhf/trainer/nothing.py`, `rlhf.trainer.ppo_trainer.Nope` "
         "and `rlhf.trainer.ppo_trainer.PPOTrainer`; a file train.parquet is no key."
     )
-    assert named_keys(text) - config_keys() == {"train.num_stepz"}
+    assert named_keys(text) - reference.keys() == {"train.num_stepz"}
     assert "model.lora.rank" in named_keys(text)
     options = named_group_options(text)
     assert ("algorithm", "nope") in options and ("experiment", "rlvr_math") in options

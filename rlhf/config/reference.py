@@ -79,20 +79,13 @@ def _default(f: dataclasses.Field) -> str:
     return repr(value).replace("|", "\\|")
 
 
-def _defining_class(cls: type, name: str) -> type:
-    for klass in cls.__mro__:
-        if name in vars(klass).get("__annotations__", {}):
-            return klass
-    raise KeyError(name)
-
-
 def _sections(roots: dict[str, type]) -> dict[tuple[str, type], list[str]]:
     """(key prefix, dataclass) -> the entry points using it, nested sections included."""
     found: dict[tuple[str, type], list[str]] = {}
 
     def walk(prefix: str, cls: type, entry: str) -> None:
         for klass in reversed(cls.__mro__):
-            if dataclasses.is_dataclass(klass) and klass is not object:
+            if dataclasses.is_dataclass(klass):
                 users = found.setdefault((prefix, klass), [])
                 if entry not in users:
                     users.append(entry)
@@ -118,7 +111,7 @@ def rows(prefix: str, cls: type) -> list[tuple[str, str, str, str]]:
     own = vars(cls).get("__annotations__", {})
     out = []
     for f in dataclasses.fields(cls):
-        if f.name in own and _nested(f) is None and _defining_class(cls, f.name) is cls:
+        if f.name in own and _nested(f) is None:
             out.append((f"{prefix}.{f.name}", _type_name(f.type), _default(f), docs.get(f.name, "")))
     return out
 
@@ -164,10 +157,15 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def keys() -> set[str]:
+    """Every key of every entry point, sections too (``model.lora`` as well as ``model.lora.rank``)."""
+    sections = _sections(entry_points())
+    return {p for p, _ in sections} | {k for p, c in sections for k, *_ in rows(p, c)}
+
+
 def undocumented() -> list[str]:
     """Keys whose field has no comment (a test keeps this empty)."""
-    roots = entry_points()
-    return sorted({k for (p, c) in _sections(roots) for k, _, _, w in rows(p, c) if not w})
+    return sorted({k for (p, c) in _sections(entry_points()) for k, _, _, w in rows(p, c) if not w})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,7 +201,7 @@ class Scores(NamedTuple):
     totals: list[float]
     parts: dict[str, list[float]]
     errors: list[int]
-    counts: dict[str, int] = {}
+    counts: dict[str, int]
 
 
 class Reward:

@@ -80,14 +80,15 @@ class VerifyProcess:
 
     def check(self, label: str, answer: str, budget_s: float) -> float | None:
         """The score, or None when the check ran past ``budget_s`` (the child is killed)."""
+        request = json.dumps({"label": label, "answer": answer}) + "\n"
         with self._lock:
             proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
             try:
-                proc.stdin.write(json.dumps({"label": label, "answer": answer}) + "\n")
+                proc.stdin.write(request)
                 proc.stdin.flush()
             except BrokenPipeError:  # the child died between calls: one fresh try
                 proc = self._start()
-                proc.stdin.write(json.dumps({"label": label, "answer": answer}) + "\n")
+                proc.stdin.write(request)
                 proc.stdin.flush()
             line = self._read_line(proc, budget_s)
             if line is None and proc.poll() is not None:  # it died on this check: not a timeout

@@ -42,7 +42,7 @@ class Evaluator:
         self.maker, self.prompts, self.cfg = maker, list(prompts), eval_cfg
         self.max_new_tokens = max_new_tokens
         self.agent_metrics: dict[str, float] = {}  # eval/agent/* of the greedy pass (multi-turn)
-        self.reward_counts: dict[str, int] = {}  # eval/reward/* of this evaluation, all passes
+        self.reward_stats = RolloutStats()  # its reward_counts: eval/reward/* of this evaluation, all passes
 
     def _scores(self, n: int, temperature: float) -> tuple[list[list[float]], list[int]]:
         """Rewards ``[prompt][sample]`` and response lengths of ``n`` samples per prompt."""
@@ -60,17 +60,14 @@ class Evaluator:
                 for c in comps
             ]
         errored: set[int] = set()
-        stats = RolloutStats()
-        flat = self.maker.rewards(samples, stats, errored)
-        for k, v in stats.reward_counts.items():  # e.g. math-verify checks stopped at their budget
-            self.reward_counts[k] = self.reward_counts.get(k, 0) + v
+        flat = self.maker.rewards(samples, self.reward_stats, errored)
         # a held-out answer whose reward call raised (reward.on_error=zero|drop) is a wrong answer
         flat = [0.0 if i in errored else r for i, r in enumerate(flat)]
         return [flat[i * n : (i + 1) * n] for i in range(len(self.prompts))], [s.num_actions for s in samples]
 
     def run(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.reward_counts = {}
+        self.reward_stats = RolloutStats()
         ok = self.cfg.success_threshold
         greedy, lengths = self._scores(1, 0.0)
         metrics = {
@@ -86,6 +83,6 @@ class Evaluator:
             for k in sorted({1, n}):
                 metrics[f"eval/pass@{k}"] = math.fsum(pass_at_k(n, c, k) for c in correct) / len(correct)
         metrics.update(self.agent_metrics)
-        metrics.update({f"eval/reward/{k}": float(v) for k, v in self.reward_counts.items()})
+        metrics.update({f"eval/reward/{k}": float(v) for k, v in self.reward_stats.reward_counts.items()})
         metrics["eval/time_s"] = time.perf_counter() - t0
         return metrics

@@ -36,9 +36,8 @@ class RolloutStats:
     reward_errors: int = 0  # reward calls that raised, under reward.on_error=zero|drop
     overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
     reward_components: dict[str, float] = field(default_factory=dict)  # mean of each weighted part
-    reward_counts: dict[str, int] = field(
-        default_factory=dict
-    )  # events the reward counted (rlhf.rewards.count)
+    # events the reward functions counted (rlhf.rewards.count), e.g. verify_timeouts
+    reward_counts: dict[str, int] = field(default_factory=dict)
     agent: dict[str, float] = field(default_factory=dict)  # agent/* metrics of multi-turn rollouts
 
     def merge(self, other: RolloutStats) -> RolloutStats:
@@ -60,11 +59,15 @@ class RolloutStats:
                 k: mean(self.reward_components.get(k, 0.0), other.reward_components.get(k, 0.0)) for k in keys
             },
             agent={**self.agent, **other.agent},
-            reward_counts={
-                k: self.reward_counts.get(k, 0) + other.reward_counts.get(k, 0)
-                for k in set(self.reward_counts) | set(other.reward_counts)
-            },
+            reward_counts=add_counts(dict(self.reward_counts), other.reward_counts),
         )
+
+
+def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """``into`` with ``more`` added key by key; keys counted 0 stay (their metric is logged as 0)."""
+    for k, v in more.items():
+        into[k] = into.get(k, 0) + v
+    return into
 
 
 def sampling_params(cfg: RolloutConfig, n: int) -> dict[str, Any]:
@@ -303,8 +306,7 @@ class ExperienceMaker:
                 [s.info for s in todo],
             )
             stats.reward_errors += len(errors)
-            for k, v in counts.items():
-                stats.reward_counts[k] = stats.reward_counts.get(k, 0) + v
+            add_counts(stats.reward_counts, counts)
             if errored is not None:
                 errored.update(rest[i] for i in errors)
             if parts:  # one function too: reward/<fn> names what scored the run
