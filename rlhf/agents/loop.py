@@ -35,7 +35,7 @@ import torch
 from rlhf.agents.bounded import BoundedCalls
 from rlhf.agents.chat_delta import ChatDelta, TemplateDriftError
 from rlhf.data.prompts import Prompt
-from rlhf.data.types import Sample
+from rlhf.data.types import Sample, versions_tensor
 from rlhf.envs.base import StepResult, ToolStats
 
 log = logging.getLogger("rlhf")
@@ -60,6 +60,12 @@ class AgentStats:
     wall_s: float = 0.0
     engine_busy_s: float = 0.0  # summed over engines, from their step counters
 
+    def add(self, other: AgentStats) -> None:
+        """Counts of another group of the same step (a streaming run); times summed."""
+        for f in ("trajectories", "turns", "env_errors", "env_timeouts", "template_drift", "engine_busy_s"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.tools.add(other.tools)
+
     def metrics(self, prefix: str = "agent", num_engines: int = 1) -> dict[str, float]:
         n = max(self.trajectories, 1)
         return {
@@ -79,8 +85,10 @@ class _Trajectory:
     def __init__(self, index: int, prompt: Prompt, group_id: int, engine: int, env: Any, ids: list[int]):
         self.index, self.prompt, self.group_id, self.engine, self.env = index, prompt, group_id, engine, env
         self.ids, self.mask, self.lp = list(ids), [False] * len(ids), [0.0] * len(ids)
+        self.versions: list[int | None] = [None] * len(ids)
         self.prompt_len = len(ids)
         self.turn, self.done, self.env_reward, self.finish_reason = 0, False, None, None
+        self.sampling: dict[str, Any] = {}  # the engine sampling of its turns (training or evaluation)
         self.final_response: str | None = None
         self.has_logprobs = True
         # the conversation so far, and where each part starts (the drift check at the end)
@@ -89,8 +97,11 @@ class _Trajectory:
         self.unterminated: list[int] = []  # ends of turns cut before their end-of-turn token
         self.drift: str | None = None
 
-    def append(self, ids: list[int], logprobs: list[float] | None, action: bool) -> None:
+    def append(
+        self, ids: list[int], logprobs: list[float] | None, action: bool, versions: list[int] | None = None
+    ) -> None:
         self.ids += ids
+        self.versions += list(versions) if versions else [None] * len(ids)
         self.mask += [action] * len(ids)
         self.lp += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         self.has_logprobs &= logprobs is not None or not action
@@ -107,6 +118,8 @@ class _Trajectory:
             finish_reason=self.finish_reason,
             final_response=self.final_response,
             turns=self.turn,
+            token_versions=versions_tensor(self.versions),
+            weight_version=min((v for v in self.versions if v is not None), default=None),
             info=dict(self.prompt.info),
         )
 
@@ -146,7 +159,7 @@ class AgentLoop:
         on_template_drift: str = "error",
     ):
         self.pool, self.tok, self.env_factory = pool, tokenizer, env_factory
-        self.sampling = self._sampling = {**sampling, "n": 1}
+        self.sampling = {**sampling, "n": 1}
         self.seed, self.max_turns, self.max_len = seed, max_turns, max_model_len
         self.max_obs, self.step_timeout_s, self.lockstep = max_observation_tokens, step_timeout_s, lockstep
         self.threads = BoundedCalls(max_concurrency, "env")
@@ -166,9 +179,8 @@ class AgentLoop:
         overrides the training sampling for this run (evaluation: greedy, its own token limit);
         seeds still come from ``trajectory_seed``."""
         t0, stats = time.perf_counter(), AgentStats()
-        self._sampling = {**self.sampling, **(sampling or {}), "n": 1}
         busy0 = self._engine_busy()
-        trajs = self._start(prompts, n, group_base)
+        trajs = self._start(prompts, n, group_base, {**self.sampling, **(sampling or {}), "n": 1})
         stats.trajectories = len(trajs)
         self.pool.begin_calls()
         if self.lockstep:
@@ -179,6 +191,22 @@ class AgentLoop:
         stats.engine_busy_s = self._engine_busy() - busy0
         stats.turns = sum(t.turn for t in trajs)
         trajs = self._handle_drift(trajs, stats, training=sampling is None)
+        return [t.to_sample() for t in trajs], stats
+
+    def run_group(
+        self, prompt: Prompt, n: int, batch: int, group_id: int, first_index: int, engine: int
+    ) -> tuple[list[Sample], AgentStats]:
+        """One prompt's ``n`` trajectories with the training sampling (a streaming run: many
+        groups at once, each on its own thread). Trajectory ``k`` has index ``first_index + k``
+        (its seeds: the same as in the batch of ``run`` it would belong to); all its turns go to
+        ``engine``. The engine-restart budget is the caller's (``RolloutPool.reset_restart_budget``)."""
+        t0, stats = time.perf_counter(), AgentStats()
+        trajs = self._start([prompt], n, group_id, self.sampling, first_index, engine=engine)
+        stats.trajectories = len(trajs)
+        self._run_independent(trajs, batch, stats)
+        stats.wall_s = time.perf_counter() - t0
+        stats.turns = sum(t.turn for t in trajs)
+        trajs = self._handle_drift(trajs, stats, training=True)
         return [t.to_sample() for t in trajs], stats
 
     def _handle_drift(self, trajs: list[_Trajectory], stats: AgentStats, training: bool) -> list[_Trajectory]:
@@ -213,20 +241,29 @@ class AgentLoop:
             )
         return kept
 
-    def _start(self, prompts: list[Prompt], n: int, group_base: int) -> list[_Trajectory]:
+    def _start(
+        self,
+        prompts: list[Prompt],
+        n: int,
+        group_base: int,
+        sampling: dict[str, Any],
+        first_index: int = 0,
+        engine: int | None = None,
+    ) -> list[_Trajectory]:
         trajs = []
         for i, p in enumerate(prompts):
             for _ in range(n):
                 env = self.env_factory()
                 env.reset(p.text, dict(p.info))
                 # p.token_ids already hold the tool schemas (load_prompts(tools=...))
-                trajs.append(
-                    _Trajectory(len(trajs), p, group_base + i, i % self.pool.num_engines, env, p.token_ids)
-                )
+                e = (i if engine is None else engine) % self.pool.num_engines
+                t = _Trajectory(first_index + len(trajs), p, group_base + i, e, env, p.token_ids)
+                t.sampling = sampling
+                trajs.append(t)
         return trajs
 
     def _submit(self, t: _Trajectory, batch: int) -> Any:
-        sampling = {**self._sampling, "seed": trajectory_seed(self.seed, batch, t.index, t.turn)}
+        sampling = {**t.sampling, "seed": trajectory_seed(self.seed, batch, t.index, t.turn)}
         return self.pool.submit_turn(t.engine, t.ids, sampling)
 
     def _run_independent(self, trajs: list[_Trajectory], batch: int, stats: AgentStats) -> None:
@@ -304,7 +341,7 @@ class AgentLoop:
     def _after_generation(self, t: _Trajectory, comp: dict) -> bool:
         """Append the turn; True if the environment should answer it."""
         t.parts.append((len(t.ids), f"assistant turn {t.turn + 1}"))
-        t.append(comp["token_ids"], comp["logprobs"], action=True)
+        t.append(comp["token_ids"], comp["logprobs"], action=True, versions=comp.get("versions"))
         if t.messages is not None and self.delta is not None:
             t.messages.append(
                 {"role": "assistant", "content": self.delta.assistant_content(comp["token_ids"])}

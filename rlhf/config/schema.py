@@ -24,6 +24,13 @@ from rlhf.config.model import (  # noqa: F401
     _check,
     _one_of,
 )
+from rlhf.config.modes import (  # noqa: F401
+    GPU_ONLY_SYNC_MODES,
+    WEIGHT_SYNC_MODES,
+    check_streaming,
+    check_weight_sync,
+    resolve_weight_sync,
+)
 
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -72,8 +79,16 @@ class RolloutConfig:
     # model.lora: adapter = engines serve the frozen base + the synced adapter (vLLM LoRA);
     # merged = the adapter folded into full weights, synced like full fine-tuning
     lora_sync: str = "adapter"
+    # train.mode=streaming: most prompt groups generating at once (0 = as many as
+    # train.max_staleness admits: rollout_batch_size x (max_staleness + 1))
+    max_in_flight: int = 0
+    # train.mode=streaming: new weights reach the engines between two engine steps, requests in
+    # flight included (their later tokens sampled under the new version); false = a request
+    # finishes under the weights it started with (the update waits for it)
+    inflight_updates: bool = True
 
     def __post_init__(self) -> None:
+        _check(self.max_in_flight >= 0, f"rollout.max_in_flight must be >= 0, got {self.max_in_flight}")
         _check(self.num_engines >= 1, "rollout.num_engines must be >= 1")
         _check(self.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt must be >= 1")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
@@ -292,54 +307,6 @@ def check_offload_device(train: DeepSpeedConfig, cluster: ClusterConfig) -> None
     )
 
 
-WEIGHT_SYNC_MODES = ("auto", "object_store", "nccl", "ipc")
-GPU_ONLY_SYNC_MODES = ("nccl", "ipc")
-
-
-def check_weight_sync(mode: str, device: str, colocate_engines: bool, backend: str = "vllm") -> None:
-    """Raise ValueError naming the config fields when ``mode`` cannot run on this cluster."""
-    _one_of("rollout.weight_sync", mode, WEIGHT_SYNC_MODES)
-    if backend == "hf" and (mode in GPU_ONLY_SYNC_MODES or colocate_engines):
-        raise ValueError(
-            f"rollout.backend=hf takes weights through the object store and cannot sleep, but rollout.weight_sync="
-            f"{mode} and cluster.colocate_engines={str(colocate_engines).lower()}; set rollout.weight_sync=auto "
-            "(or object_store) and cluster.colocate_engines=false, or use rollout.backend=vllm"
-        )
-    if device != "cuda" and mode in GPU_ONLY_SYNC_MODES:
-        raise ValueError(
-            f"rollout.weight_sync={mode} needs GPUs (NCCL / CUDA IPC) but cluster.device={device}; "
-            "use rollout.weight_sync=object_store or auto"
-        )
-    if device != "cuda" and colocate_engines:
-        raise ValueError(
-            "cluster.colocate_engines=true needs cluster.device=cuda: colocated engines sleep (vLLM sleep "
-            "mode, GPU only) while the trainer runs; set cluster.colocate_engines=false"
-        )
-    if mode == "nccl" and colocate_engines:
-        raise ValueError(
-            "rollout.weight_sync=nccl with cluster.colocate_engines=true puts actor rank 0 and engine 0 on one GPU, "
-            "and NCCL refuses two ranks of a group on one GPU ('Duplicate GPU detected'); colocated engines take "
-            "weights through CUDA IPC: set rollout.weight_sync=ipc (or auto)"
-        )
-    if mode == "ipc" and not colocate_engines:
-        raise ValueError(
-            "rollout.weight_sync=ipc shares GPU memory handles, so the engines must run on the training GPUs: "
-            "set cluster.colocate_engines=true, or use rollout.weight_sync=nccl"
-        )
-
-
-def resolve_weight_sync(mode: str, device: str, colocate_engines: bool, backend: str = "vllm") -> str:
-    """The transport ``auto`` stands for (table in ``rlhf.workers.weight_sync``); other modes are checked and kept."""
-    check_weight_sync(mode, device, colocate_engines, backend)
-    if backend == "hf":
-        return "object_store"
-    if mode != "auto":
-        return mode
-    if device != "cuda":
-        return "object_store"
-    return "ipc" if colocate_engines else "nccl"
-
-
 RESUME_MODES = ("auto", "true", "false")
 
 
@@ -389,6 +356,10 @@ class TrainConfig(RunConfig):
     # 0 = synchronous; k >= 1 = the engines generate up to k steps ahead of the trainer
     # (one-step-off for k=1): their weights are at most k versions old, nothing is discarded.
     max_staleness: int = 0
+    # batch: each step generates (or, with max_staleness >= 1, has generated ahead) a whole
+    # batch; streaming: prompt groups stream through the engines and a step takes the next
+    # finished ones (rlhf.trainer.streaming), staleness bounded by max_staleness
+    mode: str = "batch"
     rollout_timeout_s: float = 3600.0  # longest wait for a rollout batch or for the engines
     # A model group or engine whose process died (killed, OOM-killed, node lost): rebuild all
     # workers and continue from the last checkpoint, at most this many times per run.
@@ -402,6 +373,7 @@ class TrainConfig(RunConfig):
             f"train.max_staleness must be >= 0 (0 = synchronous), got {self.max_staleness}",
         )
         _check(self.rollout_timeout_s > 0, "train.rollout_timeout_s must be > 0")
+        _one_of("train.mode", self.mode, ("batch", "streaming"))
         _check(self.rollout_batch_size >= 1, "train.rollout_batch_size must be >= 1")
         _check(self.max_tokens_per_microbatch >= 16, "train.max_tokens_per_microbatch must be >= 16")
         _check(self.max_recoveries >= 0, f"train.max_recoveries must be >= 0, got {self.max_recoveries}")
@@ -532,8 +504,8 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         check_offload_device(self.train, self.cluster)
+        check_streaming(self)  # and rollout.weight_sync
         r, c = self.rollout, self.cluster
-        check_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
         if c.colocate_engines:
             _check(
                 c.colocate,

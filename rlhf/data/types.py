@@ -31,7 +31,11 @@ finish_reason       str | None    why generation stopped: "stop", "length" (hit 
 final_response      str | None    a multi-turn trajectory's last policy turn (what the reward
                                   function scores); None = the whole response
 turns               int           policy turns in the sample (1 for single-turn)
-weight_version      int | None    policy version (optimizer steps) of the weights that generated it
+weight_version      int | None    policy version (optimizer steps) of the oldest weights that
+                                  sampled any of its tokens
+token_versions      [n] int64     weight version each action token was sampled under (streaming
+                                  with in-flight updates: a sample may span several); the
+                                  sample's first version elsewhere. None = all weight_version
 info                dict          the dataset row's own columns (e.g. ``answer``), untouched, for
                                   the reward and the environment; the framework reads none of it
 ==================  ============  ==========================================================
@@ -84,6 +88,7 @@ class Sample:
     final_response: str | None = None
     turns: int = 1
     weight_version: int | None = None
+    token_versions: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,16 @@ class Sample:
         return int(idx[0]) if idx.numel() else len(self)
 
 
+def versions_tensor(versions: list[int | None]) -> torch.Tensor | None:
+    """Per-token versions (None off the action tokens) -> ``Sample.token_versions``: the
+    sample's first version off them; None when no token has one (an engine that reports none)."""
+    known = [v for v in versions if v is not None]
+    if not known:
+        return None
+    first = known[0]
+    return torch.tensor([first if v is None else v for v in versions], dtype=torch.long)
+
+
 def validate_sample(s: Sample) -> None:
     """Raise ValueError naming the field if ``s`` breaks the contract."""
     if s.input_ids.dim() != 1 or s.input_ids.numel() == 0:
@@ -120,7 +135,7 @@ def validate_sample(s: Sample) -> None:
         raise ValueError(
             "Sample.action_mask[0] must be False: a sample starts with at least one prompt token"
         )
-    for name in TOKEN_FIELDS:
+    for name in (*TOKEN_FIELDS, "token_versions"):
         t = getattr(s, name)
         if t is not None and t.shape != (n,):
             raise ValueError(f"Sample.{name} must have shape ({n},) like input_ids, got {tuple(t.shape)}")

@@ -50,6 +50,11 @@ def _split_groups(samples: list[Sample]) -> tuple[list[list[Sample]], list[bool]
     return ordered, [informative[g[0].group_id] for g in ordered]
 
 
+def is_informative(group: list[Sample]) -> bool:
+    """Whether the scores of one group's samples differ."""
+    return _split_groups(group)[1] == [True]
+
+
 def collect_informative_groups(
     next_round: Callable[[int], list[Sample]], target_groups: int, max_rounds: int
 ) -> tuple[list[Sample], DynamicSamplingStats]:

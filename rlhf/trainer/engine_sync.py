@@ -43,13 +43,17 @@ class EngineSync:
             self.rollout.sleep(self.sleep_level)
             self.asleep = True
 
-    def push(self) -> None:
-        """Send the actor's current weights to every engine and leave the engines awake."""
+    def push(self, version: int | None = None) -> None:
+        """Send the actor's current weights to every engine and leave the engines awake;
+        ``version``: the trainer's number for them (optimizer steps), which the engines record
+        per sampled token (default: the pool's count of updates + 1)."""
         if self.asleep:
             self.rollout.wake_up(["weights"])
         if self.mode == "object_store":
-            self.rollout.update_weights(self.actor.get_weights_ref(self.bucket_bytes))
+            self.rollout.update_weights(self.actor.get_weights_ref(self.bucket_bytes), version)
         else:
+            if version is not None:
+                self.rollout.expect_version(version)
             if not self._transfer_open:
                 self.actor.open_weight_transfer(
                     self.mode,
@@ -60,7 +64,7 @@ class EngineSync:
                 )
                 self._transfer_open = True
             self.actor.send_weights()
-            self.rollout.transferred()
+            self.rollout.transferred(version)
         if self.asleep:
             self.rollout.wake_up(["kv_cache"])
             self.asleep = False

@@ -16,7 +16,7 @@ import torch
 from rlhf.algorithms.shaping import longest_turn, overlong_penalty
 from rlhf.config.schema import PPOConfig, RolloutConfig
 from rlhf.data.prompts import Prompt
-from rlhf.data.types import Sample
+from rlhf.data.types import Sample, versions_tensor
 from rlhf.rewards import Reward, RewardComponent, RewardFunctionError, non_finite_indices
 
 if TYPE_CHECKING:
@@ -34,30 +34,36 @@ class RolloutStats:
     truncated: int = 0  # stopped by max_new_tokens / max_model_len
     dropped_non_finite: int = 0
     reward_errors: int = 0  # reward calls that raised, under reward.on_error=zero|drop
-    overlong_penalty_mean: float = 0.0  # DAPO shaping added to the scores (0 when off)
-    reward_components: dict[str, float] = field(default_factory=dict)  # mean of each weighted part
+    # per scored sample: DAPO's overlong shaping, and each weighted part of the reward (kept
+    # as values, so that groups scored apart give the same means as one batch)
+    overlong_penalties: list[float] = field(default_factory=list)
+    reward_parts: dict[str, list[float]] = field(default_factory=dict)
     # events the reward functions counted (rlhf.rewards.count), e.g. verify_timeouts
     reward_counts: dict[str, int] = field(default_factory=dict)
     agent: dict[str, float] = field(default_factory=dict)  # agent/* metrics of multi-turn rollouts
 
+    @property
+    def overlong_penalty_mean(self) -> float:
+        """DAPO shaping added to the scores, mean over the samples (0 when off)."""
+        p = self.overlong_penalties
+        return math.fsum(p) / len(p) if p else 0.0
+
+    @property
+    def reward_components(self) -> dict[str, float]:
+        """Mean of each weighted part of the reward."""
+        return {k: math.fsum(v) / len(v) for k, v in self.reward_parts.items() if v}
+
     def merge(self, other: RolloutStats) -> RolloutStats:
-        """Counts of two generation rounds of one step (dynamic sampling)."""
-        n = self.num_samples + other.num_samples
-
-        def mean(a: float, b: float) -> float:
-            return (a * self.num_samples + b * other.num_samples) / max(n, 1)
-
-        keys = set(self.reward_components) | set(other.reward_components)
+        """Counts of two generation rounds (dynamic sampling) or groups (streaming) of one step."""
+        keys = list(self.reward_parts) + [k for k in other.reward_parts if k not in self.reward_parts]
         return RolloutStats(
-            num_samples=n,
+            num_samples=self.num_samples + other.num_samples,
             empty_responses=self.empty_responses + other.empty_responses,
             truncated=self.truncated + other.truncated,
             dropped_non_finite=self.dropped_non_finite + other.dropped_non_finite,
             reward_errors=self.reward_errors + other.reward_errors,
-            overlong_penalty_mean=mean(self.overlong_penalty_mean, other.overlong_penalty_mean),
-            reward_components={
-                k: mean(self.reward_components.get(k, 0.0), other.reward_components.get(k, 0.0)) for k in keys
-            },
+            overlong_penalties=self.overlong_penalties + other.overlong_penalties,
+            reward_parts={k: self.reward_parts.get(k, []) + other.reward_parts.get(k, []) for k in keys},
             agent={**self.agent, **other.agent},
             reward_counts=add_counts(dict(self.reward_counts), other.reward_counts),
         )
@@ -68,6 +74,19 @@ def add_counts(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:
     for k, v in more.items():
         into[k] = into.get(k, 0) + v
     return into
+
+
+class NoFiniteReward(RewardFunctionError):
+    """Under ``reward.non_finite=drop``, no sample of the batch (or group) kept a finite score."""
+
+
+def generation_stats(samples: list[Sample]) -> RolloutStats:
+    """Generation counts of ``samples`` (the rewards add theirs)."""
+    return RolloutStats(
+        num_samples=len(samples),
+        empty_responses=sum(s.num_actions == 0 for s in samples),
+        truncated=sum(s.finish_reason == "length" for s in samples),
+    )
 
 
 def sampling_params(cfg: RolloutConfig, n: int) -> dict[str, Any]:
@@ -84,7 +103,7 @@ def sampling_params(cfg: RolloutConfig, n: int) -> dict[str, Any]:
 def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
     """One single-turn completion -> one unpadded Sample (prompt tokens masked out)."""
     p, r = list(prompt.token_ids), list(completion["token_ids"])
-    lp = completion.get("logprobs")
+    lp, versions = completion.get("logprobs"), completion.get("versions")
     if lp is not None and len(lp) != len(r):
         raise ValueError(f"engine returned {len(lp)} logprobs for {len(r)} tokens")
     return Sample(
@@ -96,6 +115,8 @@ def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
         prompt=prompt.text,
         prompt_len=len(p),
         finish_reason=completion.get("finish_reason"),
+        token_versions=None if not versions else versions_tensor([None] * len(p) + list(versions)),
+        weight_version=min(versions) if versions else None,
         info=dict(prompt.info),
     )
 
@@ -158,9 +179,8 @@ class ExperienceMaker:
                 for i, (p, comps) in enumerate(zip(prompts, outs, strict=True))
                 for c in comps
             ]
-        stats = RolloutStats(num_samples=len(samples), agent=agent)
-        stats.empty_responses = sum(s.num_actions == 0 for s in samples)
-        stats.truncated = sum(s.finish_reason == "length" for s in samples)
+        stats = generation_stats(samples)
+        stats.agent = agent
         return samples, stats
 
     @property
@@ -228,7 +248,7 @@ class ExperienceMaker:
                 bad_groups = {samples[i].group_id for i in bad}
                 bad = {i for i, s in enumerate(samples) if s.group_id in bad_groups}
             if len(bad) == len(samples):
-                raise RewardFunctionError(
+                raise NoFiniteReward(
                     "every sample in the batch got a non-finite reward (or shares a group with one)"
                 )
             samples = [s for i, s in enumerate(samples) if i not in bad]
@@ -238,7 +258,7 @@ class ExperienceMaker:
         shaping = self._overlong_shaping(samples)
         for s, r, extra in zip(samples, scores, shaping, strict=True):
             s.score = (max(-clip, min(clip, r)) if clip > 0 else r) + extra
-        stats.overlong_penalty_mean = sum(shaping) / len(shaping) if shaping else 0.0
+        stats.overlong_penalties = list(shaping)
         return samples
 
     def _overlong_shaping(self, samples: list[Sample]) -> list[float]:
@@ -310,7 +330,7 @@ class ExperienceMaker:
             if errored is not None:
                 errored.update(rest[i] for i in errors)
             if parts:  # one function too: reward/<fn> names what scored the run
-                stats.reward_components = {k: math.fsum(v) / len(v) for k, v in parts.items()}
+                stats.reward_parts = {k: list(v) for k, v in parts.items()}
         for i, r in zip(rest, model_scores, strict=True):
             scores[i] = r
         return [float(r) for r in scores]

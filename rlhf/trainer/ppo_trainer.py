@@ -22,10 +22,12 @@ from rlhf.trainer.dynamic_sampling import collect_informative_groups
 from rlhf.trainer.engine_sync import EngineSync
 from rlhf.trainer.evaluation import Evaluator
 from rlhf.trainer.experience import ExperienceMaker, RolloutStats
+from rlhf.trainer.group_rollout import GroupRollout
 from rlhf.trainer.objectives import PolicyObjective, ValueObjective
-from rlhf.trainer.rollout_pipeline import ProducedBatch, RolloutPipeline
+from rlhf.trainer.rollout_pipeline import RolloutPipeline
 from rlhf.trainer.run_control import CheckpointPolicy, GracefulStop, Preempted, resolve_resume
 from rlhf.trainer.run_output import RunOutput
+from rlhf.trainer.streaming import StreamingRollouts, staleness_metrics
 from rlhf.trainer.timing import PhaseTimer
 from rlhf.trainer.tracking import Tracker
 
@@ -102,9 +104,10 @@ class PPOTrainer:
         self.value_objective = ValueObjective(clip_eps=a.value_clip or None, aggregation=a.loss_aggregation)
         self.out = RunOutput(cfg.train.output_dir)
         self.step = 0
-        self.pipeline: RolloutPipeline | None = None
+        self.pipeline: RolloutPipeline | StreamingRollouts | None = None
         self.threaded_rollouts: bool | None = None  # None: a producer thread iff max_staleness >= 1
-        self.pending_rollouts: list[ProducedBatch] = []  # generated ahead, restored from a checkpoint
+        # generated ahead (batch mode) or the stream's state, restored from a checkpoint
+        self.pending_rollouts: list = []
         self.run_metrics: dict[str, float] = {}  # constants of the run logged with every step
         self.timer = PhaseTimer()
         self.engine_sync = EngineSync(cfg, workers.rollout, workers.actor)
@@ -124,15 +127,7 @@ class PPOTrainer:
         tracker = Tracker(
             str(self.out.local), t.num_steps, t.tensorboard, t.wandb_project, asdict(self.cfg), self.step
         )
-        self.pipeline = RolloutPipeline(
-            self.collect,
-            t.max_staleness,
-            self.step,
-            t.num_steps,
-            timeout_s=t.rollout_timeout_s,
-            threaded=self.threaded_rollouts,
-            pending=self.pending_rollouts,
-        ).start()
+        self.pipeline = self.make_pipeline().start()
         policy = CheckpointPolicy(t.save_every, t.save_every_min)
         try:
             with GracefulStop(t.stop_grace_s, lambda: str(latest_checkpoint(self.out.location))) as stop:
@@ -152,6 +147,41 @@ class PPOTrainer:
             self.pipeline.close()
             tracker.close()
         return tracker.history
+
+    def make_pipeline(self) -> RolloutPipeline | StreamingRollouts:
+        """Where the steps' samples come from: whole batches (``train.mode=batch``, generated
+        ahead up to ``max_staleness`` steps) or a stream of prompt groups (``streaming``)."""
+        t = self.cfg.train
+        if self.w.rollout.concurrent:  # vLLM engines: the mode decides how weights land
+            self.w.rollout.set_inflight_updates(t.mode == "streaming" and self.cfg.rollout.inflight_updates)
+        if t.mode == "batch":
+            return RolloutPipeline(
+                self.collect,
+                t.max_staleness,
+                self.step,
+                t.num_steps,
+                timeout_s=t.rollout_timeout_s,
+                threaded=self.threaded_rollouts,
+                pending=self.pending_rollouts,
+            )
+        pool, a = self.w.rollout, self.cfg.algorithm
+        _ = self.maker.agent_loop  # built once here, not by the first group threads at once
+        pool.set_version(self.step)  # the engines hold the weights of this step (synced on resume)
+        return StreamingRollouts(
+            GroupRollout(self.cfg, self.maker, pool),
+            self.loader.next_batch,
+            t.rollout_batch_size,
+            t.max_staleness,
+            self.cfg.rollout.max_in_flight,
+            pool.num_engines,
+            self.step,
+            t.num_steps,
+            timeout_s=t.rollout_timeout_s,
+            engine_busy=lambda: sum(s.get("busy_s", 0.0) for s in pool.stats()),
+            dynamic_sampling_rounds=a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0,
+            group_stride=a.dynamic_sampling_max_rounds * t.rollout_batch_size,  # as collect() numbers them
+            pending=self.pending_rollouts,
+        )
 
     def step_once(self, tracker: Tracker, stop: GracefulStop) -> None:
         """One training step and its metrics row; with a stop requested before training
@@ -180,17 +210,23 @@ class PPOTrainer:
             "time/trainer_wait_s": trainer_wait,
             "rollout/staleness_mean": float(self.step - batch.weight_version),
         }
+        if isinstance(self.pipeline, StreamingRollouts):
+            self.w.rollout.reset_restart_budget()  # rollout.max_restarts holds per step
         if not samples:
             # Dynamic sampling found no informative group within its round cap: nothing to learn
             # from, so no update, and the run goes on (the metrics say so).
             log.warning("step %d: no group with differing rewards; skipping the update", self.step + 1)
             metrics["dynamic_sampling/skipped_update"] = 1.0
-            metrics["time/sync_wait_s"] = self.pipeline.sync(lambda: None, self.step + 1)
+            # the weights stay: the engines' are version step + 1 as they are
+            relabel = lambda: self.w.rollout.set_version(self.step + 1)  # noqa: E731
+            metrics["time/sync_wait_s"] = self.pipeline.sync(relabel, self.step + 1)
             metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
             metrics["time/step_s"] = time.perf_counter() - t0
             return metrics
         for s in samples:
-            s.weight_version = batch.weight_version
+            if s.weight_version is None:  # engines that report no per-token versions
+                s.weight_version = batch.weight_version
+        metrics.update(staleness_metrics(samples, self.step))
         self.engine_sync.release()
         with self.timer.phase("score", metrics):
             samples = self.maker.score_models(samples, self.engines_busy_while_training())
@@ -202,7 +238,9 @@ class PPOTrainer:
             metrics.update(self.train(samples))
         # The trainer's waits: for its batch (trainer_wait_s) and for the engines to be free
         # (sync_wait_s); the engines' wait: idle between generations (engine_wait_s).
-        metrics["time/sync_wait_s"] = self.pipeline.sync(lambda: self.sync_weights(metrics), self.step + 1)
+        metrics["time/sync_wait_s"] = self.pipeline.sync(
+            lambda: self.sync_weights(self.step + 1, metrics), self.step + 1
+        )
         metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
         elapsed = time.perf_counter() - t0
         metrics.update(self.rollout_metrics(samples, batch.stats, self.cfg.train.max_tokens_per_microbatch))
@@ -220,8 +258,10 @@ class PPOTrainer:
         return own + m.get("time/generate_s", 0.0) + m.get("time/reward_s", 0.0) + m["time/sync_wait_s"]
 
     def engines_busy_while_training(self) -> int:
-        """Engines generating while the groups score and train (one-step-off), which share the cores."""
-        return self.w.rollout.num_engines if self.cfg.train.max_staleness > 0 else 0
+        """Engines generating while the groups score and train (one-step-off, streaming), which
+        share the cores."""
+        t = self.cfg.train
+        return self.w.rollout.num_engines if t.max_staleness > 0 or t.mode == "streaming" else 0
 
     def eval_due(self) -> bool:
         every = self.cfg.eval.every
@@ -321,9 +361,10 @@ class PPOTrainer:
                 stats[name] = stats.pop(mine)
         return stats
 
-    def sync_weights(self, metrics: dict[str, float] | None = None) -> None:
+    def sync_weights(self, version: int, metrics: dict[str, float] | None = None) -> None:
+        """The actor's weights (``version``: optimizer steps so far) to the engines."""
         with self.timer.phase("sync", {} if metrics is None else metrics):
-            self.engine_sync.push()
+            self.engine_sync.push(version)
 
     @staticmethod
     def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:
@@ -380,7 +421,7 @@ class PPOTrainer:
         self.step = int(ckpt.state["step"])
         self.loader.load_state_dict(ckpt.state["loader"])
         self.pending_rollouts = ckpt.blobs.get(PENDING_ROLLOUTS, [])
-        self.sync_weights()
+        self.sync_weights(self.step)
         return True
 
 

@@ -73,6 +73,11 @@ class RolloutPipeline:
         self._queue: queue.Queue = queue.Queue()
         self.threaded = max_staleness > 0 if threaded is None else threaded
         # Batches restored from a checkpoint: queued for the thread, or served inline.
+        if any(not isinstance(b, ProducedBatch) for b in pending or []):
+            raise RuntimeError(
+                "the checkpoint holds rollouts of train.mode=streaming; resume it with train.mode=streaming "
+                "(or start a new train.output_dir)"
+            )
         self._pending = {b.step: b for b in pending or []}
         self._next = max([start_step - 1, *self._pending]) + 1
         if self.threaded:

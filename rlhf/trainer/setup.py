@@ -300,6 +300,7 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
             gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager,
             log_dir=_log_dir(cfg.train.output_dir),
+            inflight_updates=cfg.train.mode == "streaming" and r.inflight_updates,
         )
         if cfg.syncs_adapter:
             from transformers import AutoConfig

@@ -1,13 +1,23 @@
 """Continuous batching for a vLLM engine that many threads call at once.
 
-``RolloutEngine`` is a threaded Ray actor: each ``generate`` call (a whole batch, or one turn of
-one trajectory from the agent loop) hands its requests to one ``ContinuousBatcher``, whose
-thread steps vLLM's ``LLMEngine`` while any request is unfinished. Requests of every call in
-flight share each engine step, and a call returns as soon as its own requests finish, so a
-trajectory whose tool answered early is not held back by the slowest one.
+``RolloutEngine`` is a threaded Ray actor: each ``generate`` call (a whole batch, one prompt
+group of a streaming run, or one turn of one trajectory from the agent loop) hands its requests
+to one ``ContinuousBatcher``, whose thread steps vLLM's ``LLMEngine`` while any request is
+unfinished. Requests of every call in flight share each engine step, and a call returns as soon
+as its own requests finish, so a trajectory whose tool answered early is not held back by the
+slowest one.
 
-Weight updates, sleep/wake and adapter loads run ``exclusive()``: new requests wait, requests in
-flight finish first, so no sample mixes two weight versions.
+Requests stream their tokens (``RequestOutputKind.DELTA``): the batcher appends each step's new
+tokens and log-probs to the request's ``Completion``, so it knows at any point how many tokens
+each request has sampled. That is what makes per-token weight versions exact:
+
+- ``exclusive()`` (weight loads with ``rollout.inflight_updates=false``, sleep/wake): new
+  requests wait and requests in flight finish first, so no sample mixes two weight versions.
+- ``between_steps(version)`` (in-flight updates): the block runs between two engine steps with
+  the requests in flight paused where they are; tokens sampled after it are sampled under
+  ``version`` and recorded so (``Completion.versions``). The KV cache those requests computed
+  under older weights is kept (as PipelineRL does). With ``switch_in_flight=False`` (a LoRA
+  adapter: a request keeps the adapter it started with) only new requests get ``version``.
 """
 
 from __future__ import annotations
@@ -16,36 +26,81 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ContinuousBatcher"]
+__all__ = ["Completion", "ContinuousBatcher"]
+
+
+@dataclass
+class Completion:
+    """One sampled completion as it grows.
+
+    ``versions`` are ``(first token index, weight version)`` pairs in order: tokens
+    ``[start_k, start_{k+1})`` were sampled under ``version_k``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    versions: list[tuple[int, int]] = field(default_factory=list)
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each sampled token."""
+        out: list[int] = []
+        bounds = [*self.versions[1:], (len(self.token_ids), -1)]
+        for (start, version), (end, _) in zip(self.versions, bounds, strict=True):
+            out += [version] * (end - start)
+        return out
+
+
+@dataclass
+class _Request:
+    call: _Call
+    index: int  # in the call's list of requests
+    completions: list[Completion]
 
 
 @dataclass
 class _Call:
-    outputs: list[Any]
+    outputs: list[list[Completion] | None]
     left: int
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
 
 class ContinuousBatcher:
-    def __init__(self, engine: Any):
-        self.engine = engine  # vllm.v1.engine.llm_engine.LLMEngine
+    """Steps ``engine`` (a ``vllm.v1.engine.llm_engine.LLMEngine``) for every caller.
+
+    Args:
+        engine: the vLLM engine; requests are added with ``RequestOutputKind.DELTA`` params.
+        sampled_logprobs: ``(token_ids, vllm logprobs) -> [float]``, the log-prob of each new
+            token (the engine module's parser of vLLM's logprob formats).
+    """
+
+    def __init__(self, engine: Any, sampled_logprobs: Callable[[list[int], Any], list[float]]):
+        self.engine = engine
+        self._logprobs_of = sampled_logprobs
+        # Only the step thread touches the engine while it runs: callers queue their requests
+        # and wait on flags, so nobody waits for the lock through a whole engine step.
         self._cv = threading.Condition()
-        self._owner: dict[str, tuple[_Call, int]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._adds: list[tuple[str, Any, Any, Any]] = []  # (id, prompt, params, lora) not added yet
         self._exclusive = 0
+        self._paused = 0
+        self._stepping = False
         self._broken: BaseException | None = None
+        self.version = 0  # the weights new tokens are sampled under
         self.busy_s = 0.0  # time spent in engine steps
         self.steps = 0
         self.max_in_flight = 0
+        self.inflight_updates = 0  # updates that landed with requests in flight
         self._thread = threading.Thread(target=self._loop, name="rlhf-engine-steps", daemon=True)
         self._thread.start()
 
-    def run(self, requests: Sequence[tuple[Any, Any, Any]]) -> list[Any]:
-        """``(prompt, sampling_params, lora_request)`` each -> their finished ``RequestOutput``s, in order."""
+    def run(self, requests: Sequence[tuple[Any, Any, Any]]) -> list[list[Completion]]:
+        """``(prompt, sampling_params, lora_request)`` each -> its ``n`` finished completions, in order."""
         call = _Call([None] * len(requests), len(requests))
         if not requests:
             return []
@@ -56,21 +111,22 @@ class ContinuousBatcher:
                 raise RuntimeError(f"the engine loop failed earlier: {self._broken!r}") from self._broken
             for i, (prompt, params, lora) in enumerate(requests):
                 rid = uuid.uuid4().hex  # outputs carry this id (add_request returns an internal one)
-                self.engine.add_request(rid, prompt, params, lora_request=lora)
-                self._owner[rid] = (call, i)
-            self.max_in_flight = max(self.max_in_flight, len(self._owner))
+                comps = [Completion(versions=[(0, self.version)]) for _ in range(params.n)]
+                self._requests[rid] = _Request(call, i, comps)
+                self._adds.append((rid, prompt, params, lora))
+            self.max_in_flight = max(self.max_in_flight, len(self._requests))
             self._cv.notify_all()
         call.done.wait()
         if call.error is not None:
             raise RuntimeError(f"vLLM engine step failed: {call.error!r}") from call.error
-        return call.outputs
+        return call.outputs  # type: ignore[return-value]
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """No request in flight for the span of the block (new ones wait)."""
         with self._cv:
             self._exclusive += 1
-            while self._owner and self._broken is None:
+            while self._requests and self._broken is None:
                 self._cv.wait()
         try:
             yield
@@ -79,34 +135,109 @@ class ContinuousBatcher:
                 self._exclusive -= 1
                 self._cv.notify_all()
 
+    @contextlib.contextmanager
+    def between_steps(self, version: int, switch_in_flight: bool = True) -> Iterator[None]:
+        """Run the block between two engine steps (requests in flight stay where they are);
+        after it, new tokens are sampled under ``version``."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume(version, switch_in_flight)
+
+    def pause(self) -> None:
+        """Stop stepping after the step under way (requests in flight stay where they are);
+        ``resume`` may come from another thread (a transfer spans several engine calls)."""
+        with self._cv:
+            self._paused += 1
+            while self._stepping:
+                self._cv.wait()
+
+    def resume(self, version: int | None = None, switch_in_flight: bool = True) -> None:
+        """Step again; with ``version``, tokens sampled from now on are sampled under it."""
+        with self._cv:
+            if version is not None:
+                if switch_in_flight:
+                    for req in self._requests.values():
+                        for c in req.completions:
+                            if c.finish_reason is None:
+                                c.versions.append((len(c.token_ids), version))
+                if self._requests:
+                    self.inflight_updates += 1
+                self.version = version
+            self._paused -= 1
+            self._cv.notify_all()
+
+    def versions_in_use(self) -> set[int]:
+        """The versions requests in flight started under (with LoRA: their adapters)."""
+        with self._cv:
+            return {c.versions[0][1] for r in self._requests.values() for c in r.completions}
+
+    def set_version(self, version: int) -> None:
+        """The weights loaded while nothing was in flight (``exclusive``) are ``version``."""
+        with self._cv:
+            self.version = version
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._owner:
+                while not self._requests or self._paused:
                     self._cv.wait()
+                adds, self._adds = self._adds, []
+                self._stepping = True
+            try:
+                for rid, prompt, params, lora in adds:
+                    self._add(rid, prompt, params, lora)
                 t0 = time.perf_counter()
-                try:
-                    outs = self.engine.step()
-                except BaseException as e:  # noqa: BLE001 - handed to every waiting call
+                outs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                busy = time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting call
+                with self._cv:
                     self._fail_all(e)
-                    return
-                self.busy_s += time.perf_counter() - t0
+                return
+            with self._cv:
+                self._stepping = False
+                self.busy_s += busy
                 self.steps += 1
                 for out in outs:
-                    if not out.finished or out.request_id not in self._owner:
-                        continue
-                    call, i = self._owner.pop(out.request_id)
-                    call.outputs[i] = out
-                    call.left -= 1
-                    if call.left == 0:
-                        call.done.set()
-                if not self._owner:
-                    self._cv.notify_all()  # exclusive() waiters
+                    self._take(out)
+                self._cv.notify_all()  # pause() and exclusive() waiters
+
+    def _add(self, rid: str, prompt: Any, params: Any, lora: Any) -> None:
+        """Hand one request to the engine; a request vLLM refuses fails its own call only."""
+        try:
+            self.engine.add_request(rid, prompt, params, lora_request=lora)
+        except Exception as e:  # noqa: BLE001 - raised in the caller's thread
+            with self._cv:
+                req = self._requests.pop(rid)
+                req.call.error = e
+                req.call.done.set()
+
+    def _take(self, out: Any) -> None:
+        """Append one step's new tokens of a request; hand the request over when it finished."""
+        req = self._requests.get(out.request_id)
+        if req is None:
+            return
+        for c in out.outputs:
+            comp = req.completions[c.index]
+            new = list(c.token_ids)
+            comp.token_ids += new
+            if c.logprobs is not None:
+                comp.logprobs += self._logprobs_of(new, c.logprobs)
+            if c.finish_reason is not None:
+                comp.finish_reason = c.finish_reason
+        if not out.finished:
+            return
+        del self._requests[out.request_id]
+        req.call.outputs[req.index] = req.completions
+        req.call.left -= 1
+        if req.call.left == 0:
+            req.call.done.set()
 
     def _fail_all(self, e: BaseException) -> None:
-        self._broken = e
-        for call, _ in self._owner.values():
-            call.error = e
-            call.done.set()
-        self._owner.clear()
+        self._broken, self._stepping = e, False
+        for req in self._requests.values():
+            req.call.error = e
+            req.call.done.set()
+        self._requests.clear()
         self._cv.notify_all()

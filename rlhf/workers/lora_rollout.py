@@ -9,6 +9,11 @@ version as its id; every later generation uses the newest adapter. The last ``ke
 adapters stay registered (``max_loras``): with ``train.max_staleness=k`` that is k+1, so the
 adapter a rollout started under is still there until it ends; older ones are removed from the
 engine and from disk.
+
+With ``inflight_updates`` (a streaming run) an adapter is registered between two engine steps
+without waiting for the requests in flight: vLLM binds an adapter to a request when it is
+added, so those requests finish under the adapter they started with (all their tokens share
+its version) and only new requests take the new one. An adapter still in use is not removed.
 """
 
 from __future__ import annotations
@@ -79,18 +84,29 @@ class LoraRolloutEngine(RolloutEngine):
         version = self._stats["weight_version"] + 1 if version is None else int(version)
         path = write_adapter(self._dir / f"v{version}", dict(named_tensors), self._adapter_config)
         request = LoRARequest(f"policy-v{version}", version, str(path))
-        with self.batcher.exclusive():  # adapters change between engine steps only
-            if self._loaded and self._loaded[-1].lora_int_id == version:  # the same version again (a retry)
-                self.llm.llm_engine.remove_lora(version)
-                self._loaded.pop()
-            if not self.llm.llm_engine.add_lora(request):
-                raise RolloutEngineError(f"vLLM refused the adapter of weight version {version} ({path})")
-            self._loaded.append(request)
-            while len(self._loaded) > self._keep:
-                old = self._loaded.popleft()
+        if self.inflight_updates:
+            with self.batcher.between_steps(version, switch_in_flight=False):
+                self._register(request, path, self.batcher.versions_in_use())
+        else:
+            with self.batcher.exclusive():  # adapters change between engine steps only
+                self._register(request, path, set())
+                self.batcher.set_version(version)
+        self._count_update(t0, version)
+
+    def _register(self, request: Any, path: Path, in_use: set[int]) -> None:
+        """Add ``request``'s adapter; drop the oldest beyond ``keep_versions`` that no request uses."""
+        version = request.lora_int_id
+        if self._loaded and self._loaded[-1].lora_int_id == version:  # the same version again (a retry)
+            self.llm.llm_engine.remove_lora(version)
+            self._loaded.pop()
+        if not self.llm.llm_engine.add_lora(request):
+            raise RolloutEngineError(f"vLLM refused the adapter of weight version {version} ({path})")
+        self._loaded.append(request)
+        for old in list(self._loaded)[: max(len(self._loaded) - self._keep, 0)]:
+            if old.lora_int_id not in in_use:
+                self._loaded.remove(old)
                 self.llm.llm_engine.remove_lora(old.lora_int_id)
                 shutil.rmtree(old.lora_path, ignore_errors=True)
-        self._count_update(t0, version)
 
     def loaded_versions(self) -> list[int]:
         """Weight versions whose adapters the engine holds, oldest first."""

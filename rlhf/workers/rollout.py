@@ -10,7 +10,15 @@ Completion format (one list of ``n`` completions per prompt, in input order)::
 
     {"token_ids": [int, ...],        # response only; ends with the stop/eos token if it stopped
      "logprobs": [float, ...],       # logprob of each sampled token (see below); None if not asked
-     "finish_reason": "stop" | "length"}
+     "finish_reason": "stop" | "length",
+     "versions": [int, ...]}         # weight version each token was sampled under
+
+Versions. An engine built with ``inflight_updates=True`` loads new weights between two engine
+steps without waiting for the requests in flight (``ContinuousBatcher.between_steps``); their
+later tokens are sampled under the new version, their KV cache from older weights is kept, and
+prefix caching is off (a cached prefix would carry old weights into new requests for as long
+as it stays in use). Otherwise a weight load waits for the requests in flight to finish, and
+all tokens of a completion share one version.
 
 Logprobs. The engine is started with ``logprobs_mode="processed_logprobs"``: the logprob of the
 sampled token under the distribution it was actually sampled from, i.e. after temperature
@@ -177,6 +185,7 @@ def llm_kwargs(
     weight_transfer: str | None,
     sleep_mode: bool,
     chunked_prefill: bool = True,
+    prefix_caching: bool = True,
 ) -> dict[str, Any]:
     """The ``vllm.LLM`` keyword arguments of a rollout engine (``RolloutEngine`` documents them).
 
@@ -209,6 +218,8 @@ def llm_kwargs(
         kwargs["enable_sleep_mode"] = True
     if not chunked_prefill:
         kwargs["enable_chunked_prefill"] = False
+    if not prefix_caching:
+        kwargs["enable_prefix_caching"] = False
     return kwargs
 
 
@@ -225,8 +236,9 @@ def sampling_params(sampling: Mapping[str, Any], *, seed: int | None, max_tokens
         logprobs=sampling.get("logprobs", 0),
         detokenize=False,
         flat_logprobs=True,
-        # one output per request, when it finishes (ContinuousBatcher waits for nothing else)
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        # each step's new tokens: ContinuousBatcher knows how far every request got when the
+        # weights change under it (per-token versions)
+        output_kind=RequestOutputKind.DELTA,
         **given,
     )
 
@@ -324,6 +336,10 @@ class EngineCounters:
             "weight_version": 0,
         }
 
+    def set_version(self, version: int) -> None:
+        """Number the weights held now ``version`` (they do not change)."""
+        self._stats["weight_version"] = int(version)
+
     def ping(self) -> str:
         """Liveness probe; returns once the engine is constructed."""
         return f"ok pid={os.getpid()}"
@@ -331,12 +347,17 @@ class EngineCounters:
     def stats(self) -> dict[str, Any]:
         """Counters and timings since start-up (``weight_version`` = last version loaded;
         ``busy_s``: time in engine steps, ``steps``: their number, ``max_in_flight``: most requests
-        batched at once)."""
+        batched at once, ``inflight_updates``: weight loads that landed with requests in flight)."""
         batcher = getattr(self, "batcher", None)
         extra = (
             {}
             if batcher is None
-            else {"busy_s": batcher.busy_s, "steps": batcher.steps, "max_in_flight": batcher.max_in_flight}
+            else {
+                "busy_s": batcher.busy_s,
+                "steps": batcher.steps,
+                "max_in_flight": batcher.max_in_flight,
+                "inflight_updates": batcher.inflight_updates,
+            }
         )
         return {**self._stats, **extra}
 
@@ -372,6 +393,8 @@ class RolloutEngine(EngineCounters):
         weight_transfer: "nccl" | "ipc" to receive weights through vLLM's weight-transfer engine
             (``weight_transfer_config``); None = object store only. GPU only.
         sleep_mode: build the engine with ``enable_sleep_mode`` (GPU only) for ``sleep``/``wake_up``.
+        inflight_updates: load weights between two engine steps, requests in flight included
+            (``rollout.inflight_updates`` of a streaming run; see "Versions" above).
         log_dir: where vLLM's INFO lines go (``engine-<pid>.log``); the console keeps warnings.
             None leaves vLLM's logging as it is.
     """
@@ -389,6 +412,7 @@ class RolloutEngine(EngineCounters):
         log_dir: str | None = None,
         weight_transfer: str | None = None,
         sleep_mode: bool = False,
+        inflight_updates: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         if not torch.cuda.is_available():
@@ -412,12 +436,14 @@ class RolloutEngine(EngineCounters):
                 sleep_mode=sleep_mode,
                 # seeded requests + chunked prefill crash on CPU generators (see llm_kwargs)
                 chunked_prefill=torch.cuda.is_available(),
+                prefix_caching=not inflight_updates,
             ),
             **(extra or {}),
         )
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
-        self.batcher = ContinuousBatcher(self.llm.llm_engine)
+        self.inflight_updates = self._no_prefix_cache = inflight_updates
+        self.batcher = ContinuousBatcher(self.llm.llm_engine, _sampled_logprobs)
         self._start_counters("vllm", t0)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
@@ -433,27 +459,51 @@ class RolloutEngine(EngineCounters):
         logprobs = sampling.get("logprobs", 0)
         seeds = _per_prompt_seeds(sampling.get("seed"), len(prompt_token_ids), sampling.get("n", 1))
         params = [
-            sampling_params(sampling, seed=seed, max_tokens=response_room(p, sampling, self.max_model_len))
-            for p, seed in zip(prompt_token_ids, seeds, strict=True)
+            self.request_params(p, sampling, seed) for p, seed in zip(prompt_token_ids, seeds, strict=True)
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompt_token_ids]
         lora = self._lora_request()
         outputs = self.batcher.run([(p, sp, lora) for p, sp in zip(prompts, params, strict=True)])
-        results: list[list[dict]] = []
-        for out in outputs:
-            comps = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                comps.append(
-                    {
-                        "token_ids": ids,
-                        "logprobs": _sampled_logprobs(ids, c.logprobs) if logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-            results.append(comps)
+        results = [
+            [
+                {
+                    "token_ids": c.token_ids,
+                    "logprobs": c.logprobs if logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "versions": c.token_versions(),
+                }
+                for c in comps
+            ]
+            for comps in outputs
+        ]
         self._count_generate(results, t0)
         return results
+
+    def set_inflight_updates(self, on: bool) -> None:
+        """Switch in-flight weight loads on or off (a streaming run, or a batch run on the same
+        engines); on needs an engine built with ``inflight_updates=True`` (no prefix cache)."""
+        if on and not self._no_prefix_cache:
+            raise RolloutEngineError(
+                "in-flight weight updates need an engine built without a prefix cache (inflight_updates=True): "
+                "its cached prefixes would carry old weights into new requests"
+            )
+        self.inflight_updates = bool(on)
+
+    def request_params(self, prompt: list[int], sampling: Mapping[str, Any], seed: int | None) -> Any:
+        """One prompt's ``vllm.SamplingParams`` (a subclass may shape one request's sampling,
+        e.g. ``bench/streaming.py``'s long-tailed lengths)."""
+        return sampling_params(
+            sampling, seed=seed, max_tokens=response_room(prompt, sampling, self.max_model_len)
+        )
+
+    def set_version(self, version: int) -> None:
+        """Number the weights held now ``version``; tokens sampled from now on record it."""
+        super().set_version(version)
+        self.batcher.set_version(int(version))
+
+    def expect_version(self, version: int) -> None:
+        """The next weight transfer (``transfer_*``) carries ``version``."""
+        self._next_version = int(version)
 
     def _lora_request(self) -> Any:
         """The adapter generation runs with (``LoraRolloutEngine``); None = the model's own weights."""
@@ -469,9 +519,15 @@ class RolloutEngine(EngineCounters):
         """
         t0 = time.perf_counter()
         named_tensors = list(named_tensors)
-        with self.batcher.exclusive():
-            self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
-            self._reset_prefix_cache()
+        version = self._stats["weight_version"] + 1 if version is None else int(version)
+        if self.inflight_updates:  # no prefix cache to reset (it is off)
+            with self.batcher.between_steps(version):
+                self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
+        else:
+            with self.batcher.exclusive():
+                self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
+                self._reset_prefix_cache()
+                self.batcher.set_version(version)
         self._count_update(t0, version)
 
     def _reset_prefix_cache(self) -> None:
@@ -490,9 +546,14 @@ class RolloutEngine(EngineCounters):
 
     def transfer_start(self) -> None:
         self._transfer_t0 = time.perf_counter()
-        # no request runs between start and finish (the transfer spans several calls)
-        self._transfer_exclusive = self.batcher.exclusive()
-        self._transfer_exclusive.__enter__()
+        # no engine step between start and finish (the transfer spans several calls): requests in
+        # flight pause where they are (inflight_updates) or finish first
+        if self.inflight_updates:
+            self.batcher.pause()
+            self._transfer_exclusive = None
+        else:
+            self._transfer_exclusive = self.batcher.exclusive()
+            self._transfer_exclusive.__enter__()
         self.llm.collective_rpc("start_weight_update")
 
     def transfer_update(self, update_info: Any) -> None:
@@ -500,12 +561,19 @@ class RolloutEngine(EngineCounters):
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def transfer_finish(self) -> None:
+        version = getattr(self, "_next_version", None) or self._stats["weight_version"] + 1
+        self._next_version = None
         try:
             self.llm.collective_rpc("finish_weight_update")
-            self._reset_prefix_cache()
+            if self._transfer_exclusive is not None:
+                self._reset_prefix_cache()
+                self.batcher.set_version(version)
         finally:
-            self._transfer_exclusive.__exit__(None, None, None)
-        self._count_update(getattr(self, "_transfer_t0", time.perf_counter()), None)
+            if self._transfer_exclusive is None:
+                self.batcher.resume(version)
+            else:
+                self._transfer_exclusive.__exit__(None, None, None)
+        self._count_update(getattr(self, "_transfer_t0", time.perf_counter()), version)
 
     def sleep(self, level: int) -> None:
         """Free GPU memory while the trainer runs: level 1 offloads weights to CPU and drops the

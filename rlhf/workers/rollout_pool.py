@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -97,7 +98,11 @@ class RolloutPool:
         # engine that was replaced since is no new death (many turns are in flight on one engine)
         self._turn_sent_to: dict[Any, int] = {}
         self.weight_version = 0
+        self._synced = False  # weights other than the model directory's were loaded
         self._weights_ref: Any = None
+        # streaming runs wait for many engine calls on many threads: one restart per death
+        self._restart_lock = threading.RLock()
+        self._inflight: bool | None = None  # set_inflight_updates, if called
         self._actor_cls = ray.remote(engine_cls)
         # engines with a ContinuousBatcher serve calls concurrently; the hf backend is lockstep
         self.concurrent = issubclass(engine_cls, RolloutEngine)
@@ -170,7 +175,7 @@ class RolloutPool:
                 f"rollout engine {i} {what} (rollout.max_restarts={self.max_restarts}); "
                 f"last cause: {type(cause).__name__}: {cause}"
             ) from cause
-        if self.weight_version > 0 and self._weights_ref is None:
+        if self._synced and self._weights_ref is None:
             raise RolloutEngineError(
                 f"rollout engine {i} died ({type(cause).__name__}) and cannot be restarted: the last weights "
                 "are not in the object store (keep_last_weights=False, or sent by rollout.weight_sync=nccl/ipc), "
@@ -189,9 +194,13 @@ class RolloutPool:
         )
         try:
             self._await(self.engines[i].ping.remote(), self.startup_timeout_s, f"restarted engine {i}")
+            if self._inflight is not None:
+                self._await(self.engines[i].set_inflight_updates.remote(self._inflight), 60.0, f"engine {i}")
             if self._weights_ref is not None:
                 ref = self.engines[i].update_weights.remote(self._weights_ref, self.weight_version)
-                self._await(ref, self.call_timeout_s, f"restarted engine {i} to load weights")
+            else:  # the model directory's weights, numbered as the trainer numbers them
+                ref = self.engines[i].set_version.remote(self.weight_version)
+            self._await(ref, self.call_timeout_s, f"restarted engine {i} to load weights")
         except Exception as e:
             raise RolloutEngineDied(
                 f"rollout engine {i} died ({type(cause).__name__}: {cause}) and its replacement failed to "
@@ -212,8 +221,9 @@ class RolloutPool:
                 raise RolloutEngineError(
                     f"rollout engine {i} failed in {what}: {type(e).__name__}: {e}"
                 ) from e
-            if sent_to is None or sent_to == self.restarts[i]:
-                self._restart(i, e)
+            with self._restart_lock:
+                if sent_to is None or sent_to == self.restarts[i]:
+                    self._restart(i, e)
             return False, None
 
     def _call_all(self, method: str, args_per_engine: dict[int, tuple]) -> dict[int, Any]:
@@ -270,6 +280,10 @@ class RolloutPool:
         self.restarts_this_call = [0] * self.num_engines
         self._turn_sent_to.clear()
 
+    def reset_restart_budget(self) -> None:
+        """``rollout.max_restarts`` holds anew (a streaming run: per step), calls in flight kept."""
+        self.restarts_this_call = [0] * self.num_engines
+
     def submit_turn(self, engine: int, prompt: list[int], sampling: Mapping[str, Any]) -> Any:
         """One request (``n`` completions of ``prompt``) on engine ``engine``, without waiting:
         the engine batches it with whatever else is in flight. Returns the ref for ``turn_result``."""
@@ -283,14 +297,21 @@ class RolloutPool:
         """The first completion of a ``submit_turn`` request. A dead engine is restarted (weights
         re-synced) and the request sent again with ``resubmit()`` (same seed: same tokens); the
         other turns that were in flight on it are sent again to the replacement."""
+        return self.group_result(engine, ref, resubmit)[0]
+
+    def group_result(self, engine: int, ref: Any, resubmit: Callable[[], Any]) -> list[dict]:
+        """All ``n`` completions of a ``submit_turn`` request, restarting a dead engine as
+        ``turn_result`` does."""
         while True:
             ok, result = self._result_or_restart(engine, ref, "a turn", self._turn_sent_to.pop(ref, None))
             if ok:
-                return result[0][0]
+                return result[0]
             ref = resubmit()
 
     def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Any
+        self,
+        state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Any,
+        version: int | None = None,
     ) -> None:
         """Have every engine load HF-named tensors, put in the object store once.
 
@@ -298,7 +319,9 @@ class RolloutPool:
         pairs already in the object store (``ModelGroup.get_weights_ref``: no copy through the
         driver). Tensors given directly are detached and copied to CPU first (a CUDA tensor in
         the object store would pin the trainer's device). The ref is kept
-        (``keep_last_weights``) for restarted engines.
+        (``keep_last_weights``) for restarted engines. ``version`` numbers the weights (the
+        trainer's optimizer steps; default: one more than the last), as the engines record it
+        per sampled token.
         """
         import ray
 
@@ -310,7 +333,8 @@ class RolloutPool:
             if not named:
                 raise ValueError("update_weights got an empty state_dict")
             ref = ray.put(named)
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        self._synced = True
         # Set before loading: an engine that dies mid-sync is restarted with THESE weights.
         self._weights_ref = ref
         try:
@@ -325,14 +349,31 @@ class RolloutPool:
         """vLLM workers over all engines (tensor-parallel ranks): the NCCL group's receivers."""
         return self.num_engines * int(self.engine_kwargs.get("tensor_parallel_size", 1))
 
-    def transferred(self) -> None:
+    def transferred(self, version: int | None = None) -> None:
         """Record a weight version sent by the trainer's transfer engine (nccl | ipc).
 
         Such weights are not kept in the object store, so a dead engine is not restarted
         (it would have to rejoin the transfer group): the step fails with a clear error.
         """
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        self._synced = True
         self._weights_ref = None
+
+    def set_inflight_updates(self, on: bool) -> None:
+        """Every engine loads weights between engine steps with requests in flight (on), or
+        waits for them (off); see ``RolloutEngine.set_inflight_updates``."""
+        self._inflight = bool(on)  # a restarted engine gets it too
+        self._call_all("set_inflight_updates", {i: (on,) for i in range(self.num_engines)})
+
+    def expect_version(self, version: int) -> None:
+        """The next transfer (nccl | ipc) carries weight version ``version`` (set before it starts)."""
+        self._call_all("expect_version", {i: (version,) for i in range(self.num_engines)})
+
+    def set_version(self, version: int) -> None:
+        """Number the engines' current weights ``version`` (a run starting or resuming at that
+        step, or a step that changed no weight); tokens sampled from now on record it."""
+        self.weight_version = int(version)
+        self._call_all("set_version", {i: (version,) for i in range(self.num_engines)})
 
     def sleep(self, level: int) -> None:
         """Every engine releases its GPU memory (level 1: weights to CPU, KV dropped; 2: both dropped)."""

@@ -235,11 +235,14 @@ class FakeGpuPool:
     def wake_up(self, tags):
         self.calls.append(("wake_up", tuple(tags)))
 
-    def update_weights(self, ref):
-        self.calls.append(("update_weights", ref))
+    def update_weights(self, ref, version=None):
+        self.calls.append(("update_weights", ref, version))
 
-    def transferred(self):
-        self.calls.append(("transferred",))
+    def expect_version(self, version):
+        self.calls.append(("expect_version", version))
+
+    def transferred(self, version=None):
+        self.calls.append(("transferred", version))
 
 
 class FakeGpuActor:
@@ -260,9 +263,9 @@ class FakeGpuActor:
 def run_two_steps(cfg: PPOConfig) -> list:
     calls: list = []
     sync = EngineSync(cfg, FakeGpuPool(calls), FakeGpuActor(calls))
-    for _ in range(2):
+    for step in range(2):
         sync.release()
-        sync.push()
+        sync.push(version=step + 1)  # the weights after optimizer step `step`
     return calls
 
 
@@ -270,23 +273,32 @@ def test_colocated_engines_sleep_then_wake_weights_before_the_push_and_kv_after(
     cfg = PPOConfig(
         cluster=ClusterConfig(device="cuda", colocate_engines=True), rollout=RolloutConfig(sleep_level=2)
     )
-    one_step = [
-        ("sleep", 2),
-        ("wake_up", ("weights",)),
-        ("send",),
-        ("transferred",),
-        ("wake_up", ("kv_cache",)),
-    ]
+
+    def one_step(version):
+        return [
+            ("sleep", 2),
+            ("wake_up", ("weights",)),
+            ("expect_version", version),  # the engines number the transferred weights with it
+            ("send",),
+            ("transferred", version),
+            ("wake_up", ("kv_cache",)),
+        ]
+
     calls = run_two_steps(cfg)
     # The transfer group is opened once (ipc: engines colocated), then reused.
-    assert calls[:2] == [("sleep", 2), ("wake_up", ("weights",))]
-    assert calls[2] == ("open", "ipc", ("e0", "e1"), 2, 256 << 20)
-    assert calls[3:] == one_step[2:] + one_step
+    assert calls[:3] == one_step(1)[:3]
+    assert calls[3] == ("open", "ipc", ("e0", "e1"), 2, 256 << 20)
+    assert calls[4:] == one_step(1)[3:] + one_step(2)
 
 
 def test_cpu_run_pushes_through_the_object_store_and_never_sleeps():
     cfg = PPOConfig(rollout=RolloutConfig(sync_bucket_mb=8))
-    assert run_two_steps(cfg) == [("get_weights_ref", 8 << 20), ("update_weights", "ref")] * 2
+    assert run_two_steps(cfg) == [
+        ("get_weights_ref", 8 << 20),
+        ("update_weights", "ref", 1),
+        ("get_weights_ref", 8 << 20),
+        ("update_weights", "ref", 2),
+    ]
 
 
 def declared(source) -> list:
