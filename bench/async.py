@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _stack import NUM_TOY_PROMPTS, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
+from _stack import grpo_lr0_overrides, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
 
 
 def _parse() -> argparse.Namespace:
@@ -47,27 +47,11 @@ def _config(args: argparse.Namespace, out: str):
     return compose(
         "ppo",
         [
-            "experiment=toy_count",
-            "algorithm=grpo",
-            "algorithm.kl_coef=0",  # no reference group: one engine and one training rank
-            # lr 0: the full train step runs (forward, backward, optimizer), the weights stay, so
-            # both modes sample the same responses (seeded) and do exactly the same work.
-            "train.actor_lr=0",
+            *grpo_lr0_overrides(args, out),
             f"train.num_steps={args.steps + 1}",
-            f"train.rollout_batch_size={args.prompts}",
-            f"rollout.n_samples_per_prompt={args.samples_per_prompt}",
             f"rollout.max_new_tokens={args.new_tokens}",
             "rollout.max_model_len=128",
             "train.max_tokens_per_microbatch=1024",
-            f"model.tiny.hidden_size={args.hidden}",
-            f"model.tiny.num_layers={args.layers}",
-            f"model.tiny.intermediate_size={2 * args.hidden}",
-            "model.tiny.num_heads=4",
-            "model.tiny.num_kv_heads=2",
-            "cluster.num_cpus=2",
-            "train.tensorboard=false",
-            f"train.output_dir={out}",
-            f"data.num_toy_prompts={NUM_TOY_PROMPTS}",
         ],
     )
 

@@ -108,6 +108,11 @@ class LoraRolloutEngine(RolloutEngine):
                 self.llm.llm_engine.remove_lora(old.lora_int_id)
                 shutil.rmtree(old.lora_path, ignore_errors=True)
 
+    def set_inflight_updates(self, on: bool) -> None:
+        """As ``RolloutEngine``'s, with the prefix cache kept: vLLM keys cached blocks by adapter,
+        so a new adapter never reuses another's prefix."""
+        self.inflight_updates = bool(on)
+
     def loaded_versions(self) -> list[int]:
         """Weight versions whose adapters the engine holds, oldest first."""
         return [r.lora_int_id for r in self._loaded]

@@ -49,7 +49,7 @@ def test_adapter_sync_serves_the_peft_policy_and_keeps_k_plus_1_versions(ray_ses
     env = {**default_engine_env(0), "HF_HUB_OFFLINE": "1"}
     kwargs = {
         "model_path": str(tiny_llama_dir),
-        "max_model_len": MAX_MODEL_LEN,
+        "max_model_len": 512,  # room for the long request in flight below
         "lora_rank": LORA.rank,
         "adapter_config": adapter_config(LORA, "llama", str(tiny_llama_dir)),
         "keep_versions": 2,  # train.max_staleness=1
@@ -70,8 +70,41 @@ def test_adapter_sync_serves_the_peft_policy_and_keeps_k_plus_1_versions(ray_ses
         full = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" not in n)
         sent = sum(t.numel() * t.element_size() for t in adapter.values())
         assert sent < 0.1 * full  # what one sync ships
+        _inflight_adapter_update(pool, policy, tiny_llama_dir)
     finally:
         pool.shutdown()
+
+
+def _inflight_adapter_update(pool, policy_v3, model_dir) -> None:
+    """Streaming (in-flight updates on): adapter v4 lands while a request started under v3 is
+    generating; vLLM binds the adapter to the request, so all its tokens are v3's (PEFT's
+    log-probs of v3), v3 stays registered while in use, and the next request takes v4."""
+    import time
+
+    import ray
+
+    pool.set_inflight_updates(True)
+    steps0 = pool.stats()[0]["steps"]
+    sampling = {"n": 1, "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "seed": [5]}
+    ref = pool.submit_turn(0, PROMPTS[0], sampling)
+    deadline = time.monotonic() + 60
+    while pool.stats()[0]["steps"] < steps0 + 20:
+        assert time.monotonic() < deadline, "the engine took no steps"
+        time.sleep(0.01)
+    v4 = _policy(model_dir, 4)
+    pool.update_weights(adapter_tensors(v4.named_parameters()))
+    assert ray.get(pool.engines[0].loaded_versions.remote()) == [3, 4]  # v2 gone, v3 in use
+    comp = pool.group_result(0, ref, lambda: pytest.fail("the engine died"))[0]
+    assert pool.stats()[0]["inflight_updates"] == 1, "the update must land with the request in flight"
+    assert comp["versions"] == [3] * 400
+    ids = torch.tensor([PROMPTS[0] + comp["token_ids"]])
+    with torch.no_grad():
+        lp = torch.log_softmax(policy_v3(input_ids=ids).logits[0].float(), -1)
+    pos = torch.arange(len(PROMPTS[0]) - 1, ids.shape[1] - 1)
+    torch.testing.assert_close(
+        torch.tensor(comp["logprobs"]), lp[pos, ids[0, len(PROMPTS[0]) :]], atol=1e-4, rtol=0
+    )
+    _check_against(v4, pool.generate(PROMPTS, GREEDY), "adapter v4 after an in-flight update")
 
 
 def test_merged_sync_serves_the_peft_policy(ray_session, tiny_llama_dir):
