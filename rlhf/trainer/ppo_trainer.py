@@ -152,6 +152,8 @@ class PPOTrainer:
         """Where the steps' samples come from: whole batches (``train.mode=batch``, generated
         ahead up to ``max_staleness`` steps) or a stream of prompt groups (``streaming``)."""
         t = self.cfg.train
+        # the engines hold the weights of this step (synced on resume): their tokens say so
+        self.w.rollout.set_version(self.step)
         if self.w.rollout.concurrent:  # vLLM engines: the mode decides how weights land
             self.w.rollout.set_inflight_updates(t.mode == "streaming" and self.cfg.rollout.inflight_updates)
         if t.mode == "batch":
@@ -166,7 +168,6 @@ class PPOTrainer:
             )
         pool, a = self.w.rollout, self.cfg.algorithm
         _ = self.maker.agent_loop  # built once here, not by the first group threads at once
-        pool.set_version(self.step)  # the engines hold the weights of this step (synced on resume)
         return StreamingRollouts(
             GroupRollout(self.cfg, self.maker, pool),
             self.loader.next_batch,

@@ -77,8 +77,9 @@ def _trainer(world, tmp_path, **cfg_changes):
     return PPOTrainer(cfg, world["workers"], world["tok"], loader, load_reward_fn(cfg.reward.function))
 
 
-def _engine_versions(world):
-    return [st["weight_version"] for st in world["workers"].rollout.stats()]
+def _engine_loads(world):
+    """Weight loads per engine so far (a run numbers the weights it starts from, loading nothing)."""
+    return [st["weight_updates"] for st in world["workers"].rollout.stats()]
 
 
 def _engines_serve_actor_weights(world, num_prompts=3):
@@ -167,14 +168,14 @@ def test_multi_turn_masks_observations(world, tmp_path):
 def test_reward_function_that_raises_loses_no_step(world, tmp_path):
     from rlhf.rewards import RewardFunctionError
 
-    before, versions = world["workers"].actor.get_weights(), _engine_versions(world)
+    before, loads = world["workers"].actor.get_weights(), _engine_loads(world)
     tr = _trainer(world, tmp_path, reward={"function": "rlhf.rewards.toy:always_raises"})
     with pytest.raises(RewardFunctionError, match="sample 0"):
         tr.fit()
     assert tr.step == 0
     after = world["workers"].actor.get_weights()
     assert all(torch.equal(after[k], before[k]) for k in before), "a failed step must not update the actor"
-    assert _engine_versions(world) == versions
+    assert _engine_loads(world) == loads  # nor sync the engines
 
 
 def test_non_finite_reward_error_or_drop(world, tmp_path):
