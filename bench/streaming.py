@@ -107,10 +107,6 @@ def _config(args: argparse.Namespace, out: str):
     )
 
 
-def _engine_busy(pool) -> float:
-    return sum(s.get("busy_s", 0.0) for s in pool.stats())
-
-
 def _run_mode(cfg, workers, tok, prompts, start: Path, mode: str, staleness: int, inflight: bool) -> dict:
     from rlhf.data.prompts import PromptLoader
     from rlhf.rewards import load_reward_fn
@@ -132,7 +128,7 @@ def _run_mode(cfg, workers, tok, prompts, start: Path, mode: str, staleness: int
 
     def step_once(tracker, stop):
         log_step(tracker, stop)
-        marks.append((time.perf_counter(), _engine_busy(workers.rollout)))
+        marks.append((time.perf_counter(), workers.rollout.busy_s()))
 
     trainer.step_once = step_once
     history = trainer.fit()
@@ -247,11 +243,11 @@ def agent_skew(args: argparse.Namespace) -> dict[str, float]:
                 max_model_len=512, max_observation_tokens=8, step_timeout_s=60, max_concurrency=4 * n,
             )  # fmt: skip
             loop.run(prompts[:n], 1, batch=0, group_base=0)  # warm-up
-            busy0, steps0, t0 = _engine_busy(pool), pool.stats()[0]["steps"], time.perf_counter()
+            busy0, steps0, t0 = pool.busy_s(), pool.stats()[0]["steps"], time.perf_counter()
             for b in range(k):
                 loop.run(prompts[b * n : (b + 1) * n], 1, batch=b * n, group_base=b * n)
             per_batch_s = time.perf_counter() - t0
-            step_s = (_engine_busy(pool) - busy0) / max(pool.stats()[0]["steps"] - steps0, 1)
+            step_s = (pool.busy_s() - busy0) / max(pool.stats()[0]["steps"] - steps0, 1)
             batches = iter(prompts[b * n : (b + 1) * n] for b in range(k))
             # no training here, so versions only count batches: no bound (a real run sets one)
 

@@ -119,7 +119,6 @@ class _Trajectory:
             final_response=self.final_response,
             turns=self.turn,
             token_versions=versions_tensor(self.versions),
-            weight_version=min((v for v in self.versions if v is not None), default=None),
             info=dict(self.prompt.info),
         )
 
@@ -409,7 +408,7 @@ class AgentLoop:
 
     def _engine_busy(self) -> float:
         try:
-            return sum(float(s.get("busy_s", s.get("generate_s", 0.0))) for s in self.pool.stats())
+            return self.pool.busy_s()
         except Exception:  # noqa: BLE001 - a metric only
             return 0.0
 

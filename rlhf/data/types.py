@@ -95,6 +95,8 @@ class Sample:
         self.input_ids = torch.as_tensor(self.input_ids, dtype=torch.long)
         self.action_mask = torch.as_tensor(self.action_mask, dtype=torch.bool)
         validate_sample(self)
+        if self.weight_version is None and self.token_versions is not None:
+            self.weight_version = int(self.token_versions.min())  # the oldest weights that sampled it
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())

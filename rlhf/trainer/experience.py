@@ -103,7 +103,7 @@ def sampling_params(cfg: RolloutConfig, n: int) -> dict[str, Any]:
 def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
     """One single-turn completion -> one unpadded Sample (prompt tokens masked out)."""
     p, r = list(prompt.token_ids), list(completion["token_ids"])
-    lp, versions = completion.get("logprobs"), completion.get("versions")
+    lp, versions = completion.get("logprobs"), completion.get("versions")  # versions: None from hf
     if lp is not None and len(lp) != len(r):
         raise ValueError(f"engine returned {len(lp)} logprobs for {len(r)} tokens")
     return Sample(
@@ -115,8 +115,7 @@ def build_sample(prompt: Prompt, completion: dict, group_id: int) -> Sample:
         prompt=prompt.text,
         prompt_len=len(p),
         finish_reason=completion.get("finish_reason"),
-        token_versions=None if not versions else versions_tensor([None] * len(p) + list(versions)),
-        weight_version=min(versions) if versions else None,
+        token_versions=versions_tensor([None] * len(p) + list(versions or [])),
         info=dict(prompt.info),
     )
 

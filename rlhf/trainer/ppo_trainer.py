@@ -178,7 +178,7 @@ class PPOTrainer:
             self.step,
             t.num_steps,
             timeout_s=t.rollout_timeout_s,
-            engine_busy=lambda: sum(s.get("busy_s", 0.0) for s in pool.stats()),
+            engine_busy=pool.busy_s,
             dynamic_sampling_rounds=a.dynamic_sampling_max_rounds if a.dynamic_sampling else 0,
             group_stride=a.dynamic_sampling_max_rounds * t.rollout_batch_size,  # as collect() numbers them
             pending=self.pending_rollouts,

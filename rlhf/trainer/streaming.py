@@ -38,6 +38,7 @@ import torch
 
 from rlhf.data.prompts import Prompt
 from rlhf.data.types import Sample
+from rlhf.trainer.dynamic_sampling import DynamicSamplingStats
 from rlhf.trainer.experience import RolloutStats
 from rlhf.trainer.rollout_pipeline import ProducedBatch
 
@@ -260,7 +261,9 @@ class StreamingRollouts:
             stats = stats.merge(g.stats)
         agents = [g.agent for g in groups if g.agent is not None]
         if agents:
-            total = agents[0].__class__()
+            from rlhf.agents.loop import AgentStats
+
+            total = AgentStats()
             for a in agents:
                 total.add(a)
             stats.agent = {
@@ -302,15 +305,12 @@ class StreamingRollouts:
             **{f"async/discarded_{k}": float(v) for k, v in c.discarded.items()},
         }
         if self.ds_rounds:
-            generated = c.generated
-            m.update(
-                {
-                    "dynamic_sampling/groups_generated": float(generated),
-                    "dynamic_sampling/groups_kept": float(taken),
-                    "dynamic_sampling/informative_fraction": taken / max(generated, 1),
-                    "dynamic_sampling/shortfall": float(self.B - taken),
-                }
+            ds = DynamicSamplingStats(
+                groups_generated=c.generated, groups_kept=taken, shortfall=self.B - taken
             )
+            m.update(
+                {k: v for k, v in ds.metrics().items() if k != "dynamic_sampling/rounds"}
+            )  # no rounds here
         self._count = _Counters(discarded=dict.fromkeys(c.discarded, 0))
         return m
 

@@ -394,6 +394,10 @@ class RolloutPool:
 
         return ray.get([e.ping.remote() for e in self.engines])
 
+    def busy_s(self) -> float:
+        """Seconds all engines spent generating so far (vLLM: in engine steps; hf: in generate calls)."""
+        return sum(float(s.get("busy_s", s.get("generate_s", 0.0))) for s in self.stats())
+
     def stats(self) -> list[dict[str, Any]]:
         """Per-engine ``RolloutEngine.stats()`` plus the pool's restart count for that engine."""
         import ray
