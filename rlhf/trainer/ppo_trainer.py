@@ -156,6 +156,10 @@ class PPOTrainer:
         self.w.rollout.set_version(self.step)
         if self.w.rollout.concurrent:  # vLLM engines: the mode decides how weights land
             self.w.rollout.set_inflight_updates(t.mode == "streaming" and self.cfg.rollout.inflight_updates)
+        # Generating alone (the trainer waits for the batch), the engines share the node's cores;
+        # next to training (one-step-off, streaming), each keeps the CPUs Ray gave it.
+        busy = self.engines_busy_while_training()
+        self.w.rollout.set_cpu_share(0.0 if busy else 1.0 / self.w.rollout.num_engines)
         if t.mode == "batch":
             return RolloutPipeline(
                 self.collect,

@@ -291,8 +291,6 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
     }
     if r.backend == "hf":
         from rlhf.workers.hf_rollout import HFRolloutEngine as engine_cls
-
-        kwargs["cpu_share"] = _engine_cpu_share(cfg)
     else:
         from rlhf.workers.rollout import RolloutEngine as engine_cls
 
@@ -327,15 +325,6 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
         startup_timeout_s=c.startup_timeout_s,
         call_timeout_s=cfg.train.rollout_timeout_s,
     )
-
-
-def _engine_cpu_share(cfg: PPOConfig) -> float:
-    """Share of its node's cores an ``hf`` engine computes with: generating on-policy, the engines
-    have the cores to themselves (the trainer waits for them); generating ahead (0 = torch's
-    default, the CPUs Ray gave the actor), they share them with the trainer."""
-    if cfg.cluster.device != "cpu" or cfg.train.max_staleness > 0:
-        return 0.0
-    return 1.0 / cfg.rollout.num_engines
 
 
 def _roles(cfg: PPOConfig, model_dir: str) -> list[tuple[str, int, str, float]]:

@@ -22,7 +22,6 @@ import torch
 
 from rlhf.models.decode import sample_completions
 from rlhf.models.sampling import SamplingSpec
-from rlhf.workers.placement import use_cpu_share
 from rlhf.workers.rollout import (
     EngineCounters,
     RolloutEngineError,
@@ -63,7 +62,6 @@ class HFRolloutEngine(EngineCounters):
         max_model_len: longest prompt + response the engine accepts.
         seed: draws for requests without their own seed.
         dtype: "float32" | "bfloat16" | "float16" ("auto": the checkpoint's).
-        cpu_share: on CPU, compute with this share of the node's cores (0: torch's default).
         weight_transfer, sleep_mode: must be None / False (vLLM-only features, named here so
             that asking for them is a clear error rather than a TypeError).
     """
@@ -74,7 +72,6 @@ class HFRolloutEngine(EngineCounters):
         max_model_len: int,
         seed: int = 0,
         dtype: str = "float32",
-        cpu_share: float = 0.0,
         weight_transfer: str | None = None,
         sleep_mode: bool = False,
     ) -> None:
@@ -86,9 +83,8 @@ class HFRolloutEngine(EngineCounters):
                 "and cluster.colocate_engines=false, or rollout.backend=vllm"
             )
         t0 = time.perf_counter()
+        self._own_threads = torch.get_num_threads()  # what the CPUs Ray gave the actor allow
         on_gpu = torch.cuda.is_available()
-        if cpu_share > 0 and not on_gpu:
-            use_cpu_share(cpu_share)
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         torch_dtype = "auto" if dtype == "auto" else _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
@@ -97,6 +93,11 @@ class HFRolloutEngine(EngineCounters):
         self.stop_ids = _eos_ids(model_path, self.model)
         self._draws = torch.Generator().manual_seed(seed)
         self._start_counters("hf", t0)
+
+    def _use_threads(self, n: int) -> None:
+        # a plain (single-threaded) actor: its calls all run on the thread that computes
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
         """Same request and result as ``RolloutEngine.generate`` (see ``rlhf.workers.rollout``)."""

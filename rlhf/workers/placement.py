@@ -24,10 +24,23 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-__all__ = ["Placement", "bundle_strategy", "create_placement_group", "describe_resources", "free_port"]
+__all__ = [
+    "Placement",
+    "bundle_strategy",
+    "cpu_threads",
+    "create_placement_group",
+    "describe_resources",
+    "free_port",
+    "use_cpu_share",
+]
 
 log = logging.getLogger(__name__)
 _WAIT_NOTICE_S = 10.0  # a placement group not granted by then is reported as waiting for nodes
+
+
+def cpu_threads(cpu_share: float) -> int:
+    """``cpu_share`` of this node's cores (the ones this process may run on), at least one."""
+    return max(1, int(len(os.sched_getaffinity(0)) * cpu_share + 1e-9))
 
 
 def use_cpu_share(cpu_share: float) -> None:
@@ -36,7 +49,7 @@ def use_cpu_share(cpu_share: float) -> None:
     The driver knows which processes run at the same time, so it hands each its share."""
     import torch
 
-    n = max(1, int(len(os.sched_getaffinity(0)) * cpu_share + 1e-9))
+    n = cpu_threads(cpu_share)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 

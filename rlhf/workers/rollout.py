@@ -61,6 +61,7 @@ import torch
 from rlhf.envvars import engine_env
 from rlhf.workers.continuous import ContinuousBatcher
 from rlhf.workers.errors import WorkerDied
+from rlhf.workers.placement import cpu_threads
 
 __all__ = [
     "SAMPLING_KEYS",
@@ -321,6 +322,16 @@ class EngineCounters:
 
             Store(output_dir).upload(self.log_file, f"logs/{self.log_file.name}")
 
+    def set_cpu_share(self, share: float) -> None:
+        """On CPU, generate with ``share`` of this node's cores (0: the CPUs Ray gave the actor).
+        The driver knows what else computes meanwhile: in a synchronous run nothing does (the
+        trainer waits for the batch), so the engines may use the cores the ranks leave idle."""
+        if not torch.cuda.is_available():
+            self._use_threads(cpu_threads(share) if share > 0 else self._own_threads)
+
+    def _use_threads(self, n: int) -> None:
+        raise NotImplementedError
+
     def _start_counters(self, backend: str, t0: float) -> None:
         self._stats: dict[str, Any] = {
             "backend": backend,
@@ -347,16 +358,18 @@ class EngineCounters:
     def stats(self) -> dict[str, Any]:
         """Counters and timings since start-up (``weight_version`` = last version loaded;
         ``busy_s``: time in engine steps, ``steps``: their number, ``max_in_flight``: most requests
-        batched at once, ``inflight_updates``: weight loads that landed with requests in flight)."""
+        batched at once, ``inflight_updates``: weight loads that landed with requests in flight,
+        ``compute_threads``: intra-op threads of its last generation)."""
         batcher = getattr(self, "batcher", None)
         extra = (
-            {}
+            {"compute_threads": torch.get_num_threads()}
             if batcher is None
             else {
                 "busy_s": batcher.busy_s,
                 "steps": batcher.steps,
                 "max_in_flight": batcher.max_in_flight,
                 "inflight_updates": batcher.inflight_updates,
+                "compute_threads": batcher.compute_threads,
             }
         )
         return {**self._stats, **extra}
@@ -415,6 +428,7 @@ class RolloutEngine(EngineCounters):
         inflight_updates: bool = False,
     ) -> None:
         t0 = time.perf_counter()
+        self._own_threads = torch.get_num_threads()  # what the CPUs Ray gave the actor allow
         if not torch.cuda.is_available():
             # vLLM reads these when the engine starts; an engine built outside the pool still needs them.
             for key, value in engine_env(0).items():
@@ -443,8 +457,11 @@ class RolloutEngine(EngineCounters):
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self.inflight_updates = self._no_prefix_cache = inflight_updates
-        self.batcher = ContinuousBatcher(self.llm.llm_engine, _sampled_logprobs)
+        self.batcher = ContinuousBatcher(self.llm.llm_engine, _sampled_logprobs, threads=self._own_threads)
         self._start_counters("vllm", t0)
+
+    def _use_threads(self, n: int) -> None:
+        self.batcher.threads = n  # the step thread computes: it sets its own (see ContinuousBatcher)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
         """Sample ``sampling["n"]`` completions per prompt; see the module docstring for the format.

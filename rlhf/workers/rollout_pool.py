@@ -102,7 +102,7 @@ class RolloutPool:
         self._weights_ref: Any = None
         # streaming runs wait for many engine calls on many threads: one restart per death
         self._restart_lock = threading.RLock()
-        self._inflight: bool | None = None  # set_inflight_updates, if called
+        self._settings: dict[str, tuple] = {}  # set_* calls a restarted engine gets again
         self._actor_cls = ray.remote(engine_cls)
         # engines with a ContinuousBatcher serve calls concurrently; the hf backend is lockstep
         self.concurrent = issubclass(engine_cls, RolloutEngine)
@@ -194,8 +194,8 @@ class RolloutPool:
         )
         try:
             self._await(self.engines[i].ping.remote(), self.startup_timeout_s, f"restarted engine {i}")
-            if self._inflight is not None:
-                self._await(self.engines[i].set_inflight_updates.remote(self._inflight), 60.0, f"engine {i}")
+            for method, args in self._settings.items():
+                self._await(getattr(self.engines[i], method).remote(*args), 60.0, f"engine {i}")
             if self._weights_ref is not None:
                 ref = self.engines[i].update_weights.remote(self._weights_ref, self.weight_version)
             else:  # the model directory's weights, numbered as the trainer numbers them
@@ -362,8 +362,16 @@ class RolloutPool:
     def set_inflight_updates(self, on: bool) -> None:
         """Every engine loads weights between engine steps with requests in flight (on), or
         waits for them (off); see ``RolloutEngine.set_inflight_updates``."""
-        self._inflight = bool(on)  # a restarted engine gets it too
-        self._call_all("set_inflight_updates", {i: (on,) for i in range(self.num_engines)})
+        self._set_all("set_inflight_updates", bool(on))
+
+    def set_cpu_share(self, share: float) -> None:
+        """On CPU, every engine generates with ``share`` of its node's cores (0: the CPUs Ray
+        gave it); see ``RolloutEngine.set_cpu_share``."""
+        self._set_all("set_cpu_share", float(share))
+
+    def _set_all(self, method: str, *args: Any) -> None:
+        self._settings[method] = args  # a restarted engine gets it too
+        self._call_all(method, {i: args for i in range(self.num_engines)})
 
     def expect_version(self, version: int) -> None:
         """The next transfer (nccl | ipc) carries weight version ``version`` (set before it starts)."""

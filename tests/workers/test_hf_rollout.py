@@ -3,6 +3,8 @@ Hugging Face ``generate`` and a full forward of every completion; then in real R
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -168,5 +170,10 @@ def test_a_pool_of_hf_engines_in_ray_matches_one_engine_in_process(ray_session, 
         outs = pool.generate(PROMPTS, GREEDY)
         assert [c[0]["token_ids"] for c in outs] == [hf_greedy(new, p, 16) for p in PROMPTS]
         assert [s["weight_version"] for s in pool.stats()] == [1, 1]
+        cores = len(os.sched_getaffinity(0))
+        pool.set_cpu_share(1.0)  # a synchronous run: the engines generate alone
+        assert [s["compute_threads"] for s in pool.stats()] == [cores, cores]
+        pool.set_cpu_share(0.0)  # next to training: the CPU Ray gave each
+        assert [s["compute_threads"] for s in pool.stats()] == [1, 1]
     finally:
         pool.shutdown()

@@ -7,6 +7,7 @@ that change its state (weight sync, engine kill) run last.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import time
 from pathlib import Path
@@ -267,7 +268,11 @@ def test_weight_sync_changes_output_to_new_weights(pool, hf_model) -> None:
 def test_killed_engine_is_restarted_with_synced_weights(pool, hf_model, ray_session) -> None:
     new_model = perturbed(hf_model, seed=2)
     pool.update_weights(new_model.state_dict())
+    # every core per engine (a synchronous run's engines generate alone); the replacement too
+    pool.set_cpu_share(1.0)
     before = pool.generate(PROMPTS, GREEDY)
+    cores = len(os.sched_getaffinity(0))
+    assert [s["compute_threads"] for s in pool.stats()] == [cores, cores]
     assert [c[0]["token_ids"] for c in before] == [hf_greedy(new_model, p, 16) for p in PROMPTS]
     old_pid = pool.stats()[1]["pid"]
 
@@ -282,7 +287,11 @@ def test_killed_engine_is_restarted_with_synced_weights(pool, hf_model, ray_sess
     assert pool.restarts == [0, 1]
     assert stats[1]["pid"] != old_pid
     assert stats[1]["weight_version"] == pool.weight_version
+    assert [s["compute_threads"] for s in stats] == [cores, cores]
     TIMINGS["engine_startup_s"] = stats[1]["startup_s"]
+    pool.set_cpu_share(0.0)  # back to the CPU Ray gave each engine
+    assert pool.generate(PROMPTS, GREEDY) == before
+    assert [s["compute_threads"] for s in pool.stats()] == [1, 1]
 
 
 # ---------------------------------------------------------------- an engine that cannot come back
