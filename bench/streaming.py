@@ -7,8 +7,9 @@ DeepSpeed CPU rank; GRPO with learning rate 0, so every mode samples from the sa
 does the same work): a ``--long-frac`` share of the prompts (drawn per prompt, the same in every
 mode) answer with ``--long-tokens`` tokens, the others with ``--short-tokens`` (``ignore_eos``:
 the lengths are the workload, not the random model's). Modes: ``train.mode=batch`` with
-``max_staleness`` 0 and 1, and ``train.mode=streaming`` with ``max_staleness=1``, with and
-without in-flight weight updates. Per mode: trained samples/s, the engine's idle share (1 -
+``max_staleness`` 0 and 1, and ``train.mode=streaming`` (``--stream-staleness``) with weight
+updates that wait for the requests in flight, abort and continue them (partial rollouts), or
+land between two engine steps (in-flight updates). Per mode: trained samples/s, the engine's idle share (1 -
 time in engine steps / wall time, from the engine's own counter) and the trainer's idle share
 (time waiting for its batch / wall time).
 
@@ -47,11 +48,12 @@ from _stack import grpo_lr0_overrides, model_and_prompts, start_workers  # noqa:
 
 from rlhf.workers.rollout import RolloutEngine, response_room, sampling_params  # noqa: E402
 
-MODES = (  # (name, train.mode, max_staleness, in-flight updates)
-    ("batch, synchronous", "batch", 0, False),
-    ("batch, one-step-off", "batch", 1, False),
-    ("streaming, drain at sync", "streaming", None, False),  # --stream-staleness
-    ("streaming, in-flight", "streaming", None, True),
+MODES = (  # (name, train.mode, max_staleness, how an update meets the requests in flight)
+    ("batch, synchronous", "batch", 0, "drain"),
+    ("batch, one-step-off", "batch", 1, "drain"),
+    ("streaming, drain at sync", "streaming", None, "drain"),  # --stream-staleness
+    ("streaming, partial rollouts", "streaming", None, "partial"),
+    ("streaming, in-flight", "streaming", None, "inflight"),
 )
 
 
@@ -107,18 +109,20 @@ def _config(args: argparse.Namespace, out: str):
     )
 
 
-def _run_mode(cfg, workers, tok, prompts, start: Path, mode: str, staleness: int, inflight: bool) -> dict:
+def _run_mode(cfg, workers, tok, prompts, start: Path, mode: str, staleness: int, update: str) -> dict:
     from rlhf.data.prompts import PromptLoader
     from rlhf.rewards import load_reward_fn
     from rlhf.trainer.ppo_trainer import PPOTrainer
 
     workers.actor.load_checkpoint(str(start), tag="start")
     workers.rollout.update_weights(workers.actor.get_weights_ref())
-    out = Path(cfg.train.output_dir) / f"{mode}_{staleness}_{int(inflight)}"
+    out = Path(cfg.train.output_dir) / f"{mode}_{staleness}_{update}"
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, mode=mode, max_staleness=staleness, output_dir=str(out)),
-        rollout=dataclasses.replace(cfg.rollout, inflight_updates=inflight),
+        rollout=dataclasses.replace(
+            cfg.rollout, inflight_updates=update == "inflight", partial_rollouts=update == "partial"
+        ),
     )
     loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=0)
     trainer = PPOTrainer(cfg, workers, tok, loader, load_reward_fn(cfg.reward.function))
@@ -181,9 +185,9 @@ def long_tail(args: argparse.Namespace) -> dict[str, dict]:
             workers.rollout = _long_tail_pool(workers.rollout)
             start = Path(tmp) / "start"
             workers.actor.save_checkpoint(str(start), tag="start")
-            for name, mode, staleness, inflight in MODES:
+            for name, mode, staleness, update in MODES:
                 staleness = args.stream_staleness if mode == "streaming" else staleness
-                rows[name] = _run_mode(cfg, workers, tok, prompts, start, mode, staleness, inflight)
+                rows[name] = _run_mode(cfg, workers, tok, prompts, start, mode, staleness, update)
         finally:
             workers.shutdown()
     print(
@@ -202,7 +206,7 @@ def long_tail(args: argparse.Namespace) -> dict[str, dict]:
         )
     for unit in ("samples_s", "tokens_s"):
         base, off = rows[MODES[0][0]][unit], rows[MODES[1][0]][unit]
-        for name in (MODES[2][0], MODES[3][0]):
+        for name, *_ in MODES[2:]:
             r = rows[name][unit]
             print(
                 f"{name} ({unit.replace('_s', '/s')}): {r / base:.2f}x synchronous (target >= 2x), "

@@ -20,7 +20,19 @@ def check_streaming(cfg: PPOConfig) -> None:
     r, c = cfg.rollout, cfg.cluster
     check_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
     if cfg.train.mode != "streaming":
+        _check(
+            not r.partial_rollouts,
+            "rollout.partial_rollouts continues the requests a weight update interrupts, which only "
+            "train.mode=streaming does (a batch run's update waits for its batch): set train.mode=streaming "
+            "or rollout.partial_rollouts=false",
+        )
         return
+    _check(
+        not (r.partial_rollouts and r.inflight_updates),
+        "rollout.partial_rollouts=true and rollout.inflight_updates=true are two ways to land a weight update "
+        "on requests in flight (recompute their prefix under the new weights, or keep its cache): set "
+        "rollout.inflight_updates=false to use partial rollouts, or rollout.partial_rollouts=false",
+    )
     _check(
         cfg.rollout.backend == "vllm",
         "train.mode=streaming runs many prompt groups on each engine at once, which the hf backend cannot "

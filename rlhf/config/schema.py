@@ -86,6 +86,11 @@ class RolloutConfig:
     # flight included (their later tokens sampled under the new version); false = a request
     # finishes under the weights it started with (the update waits for it)
     inflight_updates: bool = True
+    # train.mode=streaming with inflight_updates=false: a weight update aborts the requests in
+    # flight and continues each with its tokens so far as a new prompt under the new weights
+    # (that prefix computed again; the prefix cache stays on) instead of waiting for them:
+    # verl's partial rollouts
+    partial_rollouts: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_in_flight >= 0, f"rollout.max_in_flight must be >= 0, got {self.max_in_flight}")

@@ -155,7 +155,9 @@ class PPOTrainer:
         # the engines hold the weights of this step (synced on resume): their tokens say so
         self.w.rollout.set_version(self.step)
         if self.w.rollout.concurrent:  # vLLM engines: the mode decides how weights land
-            self.w.rollout.set_inflight_updates(t.mode == "streaming" and self.cfg.rollout.inflight_updates)
+            streaming, r = t.mode == "streaming", self.cfg.rollout
+            self.w.rollout.set_inflight_updates(streaming and r.inflight_updates)
+            self.w.rollout.set_partial_rollouts(streaming and r.partial_rollouts)
         # Generating alone (the trainer waits for the batch), the engines share the node's cores;
         # next to training (one-step-off, streaming), each keeps the CPUs Ray gave it.
         busy = self.engines_busy_while_training()

@@ -18,6 +18,10 @@ each request has sampled. That is what makes per-token weight versions exact:
   ``version`` and recorded so (``Completion.versions``). The KV cache those requests computed
   under older weights is kept (as PipelineRL does). With ``switch_in_flight=False`` (a LoRA
   adapter: a request keeps the adapter it started with) only new requests get ``version``.
+- ``preempting(version)`` (partial rollouts, ``rollout.partial_rollouts``): the requests in
+  flight are aborted, the block runs, and each unfinished completion goes on as a request of its
+  own, its prompt plus its tokens so far, under ``version``. vLLM computes that prefix again under
+  the new weights, so the prefix cache can stay on (verl's partial rollouts).
 """
 
 from __future__ import annotations
@@ -57,9 +61,23 @@ class Completion:
 
 @dataclass
 class _Request:
+    """One request of a call: its ``n`` completions, fed by one engine request or, after a
+    preemption, by one continuation per unfinished completion."""
+
     call: _Call
     index: int  # in the call's list of requests
     completions: list[Completion]
+    prompt: Any  # the TokensPrompt it was sent with
+    params: Any  # its SamplingParams
+    feeds: int = 1  # engine requests still feeding it
+
+
+@dataclass
+class _Feed:
+    """An engine request and the completions its outputs go to."""
+
+    request: _Request
+    slots: tuple[int, ...]  # output index -> completion index
 
 
 @dataclass
@@ -80,6 +98,10 @@ def _compute_threads(n: int) -> int:
     if n:
         torch._C.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def _completions(feed: _Feed) -> Iterator[Completion]:
+    return (feed.request.completions[k] for k in feed.slots)
 
 
 class ContinuousBatcher:
@@ -103,7 +125,7 @@ class ContinuousBatcher:
         # Only the step thread touches the engine while it runs: callers queue their requests
         # and wait on flags, so nobody waits for the lock through a whole engine step.
         self._cv = threading.Condition()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _Feed] = {}  # by engine request id
         self._adds: list[tuple[str, Any, Any, Any]] = []  # (id, prompt, params, lora) not added yet
         self._exclusive = 0
         self._paused = 0
@@ -115,6 +137,8 @@ class ContinuousBatcher:
         self.max_in_flight = 0
         self.inflight_updates = 0  # updates that landed with requests in flight
         self.threads = threads  # intra-op threads the steps compute with; 0 = torch's default
+        self.continued = 0  # completions aborted by a weight update and continued (partial rollouts)
+        self._preempted: list[str] = []  # engine requests aborted by preempt(), to continue
         self.compute_threads = 0  # what the step thread computes with (read back after setting it)
         self._thread = threading.Thread(target=self._loop, name="rlhf-engine-steps", daemon=True)
         self._thread.start()
@@ -132,7 +156,7 @@ class ContinuousBatcher:
             for i, (prompt, params, lora) in enumerate(requests):
                 rid = uuid.uuid4().hex  # outputs carry this id (add_request returns an internal one)
                 comps = [Completion(versions=[(0, self.version)]) for _ in range(params.n)]
-                self._requests[rid] = _Request(call, i, comps)
+                self._requests[rid] = _Feed(_Request(call, i, comps, prompt, params), tuple(range(params.n)))
                 self._adds.append((rid, prompt, params, lora))
             self.max_in_flight = max(self.max_in_flight, len(self._requests))
             self._cv.notify_all()
@@ -178,20 +202,75 @@ class ContinuousBatcher:
         with self._cv:
             if version is not None:
                 if switch_in_flight:
-                    for req in self._requests.values():
-                        for c in req.completions:
-                            if c.finish_reason is None:
-                                c.versions.append((len(c.token_ids), version))
+                    for c in self._unfinished():
+                        c.versions.append((len(c.token_ids), version))
                 if self._requests:
                     self.inflight_updates += 1
                 self.version = version
             self._paused -= 1
             self._cv.notify_all()
 
+    @contextlib.contextmanager
+    def preempting(self, version: int, lora_of: Callable[[], Any] = lambda: None) -> Iterator[None]:
+        """Abort the requests in flight, run the block, then continue each of their unfinished
+        completions under ``version`` (see ``preempt``); the block may reset the prefix cache."""
+        self.preempt()
+        try:
+            yield
+        finally:
+            self.continue_preempted(version, lora_of())
+
+    def preempt(self) -> None:
+        """Stop stepping after the step under way and abort every request the engine holds; their
+        tokens so far stay. ``continue_preempted`` (from any thread) sends them on."""
+        self.pause()
+        with self._cv:
+            queued = {rid for rid, *_ in self._adds}
+            self._preempted = [rid for rid in self._requests if rid not in queued]
+            if self._preempted:
+                self.engine.abort_request(self._preempted)
+
+    def continue_preempted(self, version: int, lora: Any = None) -> None:
+        """Each unfinished completion of the aborted requests goes on as a request of its own:
+        its prompt plus its tokens so far, the tokens it has left, under the weights loaded now
+        (``version``, ``lora``). vLLM computes that prefix again, under these weights (verl's
+        partial rollouts; ``between_steps`` keeps the old weights' cache instead)."""
+        with self._cv:
+            for rid in self._preempted:
+                feed = self._requests.pop(rid)
+                for k in feed.slots:
+                    if feed.request.completions[k].finish_reason is None:
+                        self._continue(feed.request, k, lora)
+                self._fed(feed.request)
+            self._preempted = []
+        self.resume(version)
+
+    def _continue(self, req: _Request, k: int, lora: Any) -> None:
+        comp, params = req.completions[k], req.params.clone()
+        done = len(comp.token_ids)
+        params.n, params.max_tokens = 1, params.max_tokens - done
+        params.min_tokens = max(0, params.min_tokens - done)
+        if params.seed is not None:  # its own draws, the same on every run
+            params.seed = (params.seed * 1_000_003 + k * 10_007 + done) % 2**63
+        prompt = {**req.prompt, "prompt_token_ids": [*req.prompt["prompt_token_ids"], *comp.token_ids]}
+        rid = uuid.uuid4().hex
+        self._requests[rid] = _Feed(req, (k,))
+        self._adds.append((rid, prompt, params, lora))
+        req.feeds += 1
+        self.continued += 1
+
+    def _unfinished(self) -> Iterator[Completion]:
+        """Completions of the requests in flight that have not finished."""
+        for feed in self._requests.values():
+            for c in _completions(feed):
+                if c.finish_reason is None:
+                    yield c
+
     def versions_in_use(self) -> set[int]:
         """The versions requests in flight started under (with LoRA: their adapters)."""
         with self._cv:
-            return {c.versions[0][1] for r in self._requests.values() for c in r.completions}
+            live = (f for rid, f in self._requests.items() if rid not in self._preempted)
+            return {c.versions[0][1] for f in live for c in _completions(f)}
 
     def set_version(self, version: int) -> None:
         """The weights loaded while nothing was in flight (``exclusive``) are ``version``."""
@@ -232,17 +311,18 @@ class ContinuousBatcher:
             self.engine.add_request(rid, prompt, params, lora_request=lora)
         except Exception as e:  # noqa: BLE001 - raised in the caller's thread
             with self._cv:
-                req = self._requests.pop(rid)
-                req.call.error = e
-                req.call.done.set()
+                call = self._requests.pop(rid).request.call
+                call.error = e
+                call.done.set()
 
     def _take(self, out: Any) -> None:
         """Append one step's new tokens of a request; hand the request over when it finished."""
-        req = self._requests.get(out.request_id)
-        if req is None:
+        feed = self._requests.get(out.request_id)
+        if feed is None:
             return
+        req = feed.request
         for c in out.outputs:
-            comp = req.completions[c.index]
+            comp = req.completions[feed.slots[c.index]]
             new = list(c.token_ids)
             comp.token_ids += new
             if c.logprobs is not None:
@@ -252,6 +332,14 @@ class ContinuousBatcher:
         if not out.finished:
             return
         del self._requests[out.request_id]
+        self._fed(req)
+
+    @staticmethod
+    def _fed(req: _Request) -> None:
+        """One engine request feeding ``req`` is gone; the last hands ``req`` to its call."""
+        req.feeds -= 1
+        if req.feeds:
+            return
         req.call.outputs[req.index] = req.completions
         req.call.left -= 1
         if req.call.left == 0:
@@ -259,8 +347,8 @@ class ContinuousBatcher:
 
     def _fail_all(self, e: BaseException) -> None:
         self._broken, self._stepping = e, False
-        for req in self._requests.values():
-            req.call.error = e
-            req.call.done.set()
+        for feed in self._requests.values():
+            feed.request.call.error = e
+            feed.request.call.done.set()
         self._requests.clear()
         self._cv.notify_all()

@@ -14,6 +14,7 @@ With ``inflight_updates`` (a streaming run) an adapter is registered between two
 without waiting for the requests in flight: vLLM binds an adapter to a request when it is
 added, so those requests finish under the adapter they started with (all their tokens share
 its version) and only new requests take the new one. An adapter still in use is not removed.
+With partial rollouts the requests in flight are aborted and continue under the new adapter.
 """
 
 from __future__ import annotations
@@ -84,14 +85,12 @@ class LoraRolloutEngine(RolloutEngine):
         version = self._stats["weight_version"] + 1 if version is None else int(version)
         path = write_adapter(self._dir / f"v{version}", dict(named_tensors), self._adapter_config)
         request = LoRARequest(f"policy-v{version}", version, str(path))
-        if self.inflight_updates:
-            with self.batcher.between_steps(version, switch_in_flight=False):
-                self._register(request, path, self.batcher.versions_in_use())
-        else:
-            with self.batcher.exclusive():  # adapters change between engine steps only
-                self._register(request, path, set())
-                self.batcher.set_version(version)
+        # requests in flight keep the adapter they were added with (vLLM binds it then)
+        with self._loading(version, switch_in_flight=False):
+            self._register(request, path, self.batcher.versions_in_use())
         self._count_update(t0, version)
+
+    _cache_holds_weights = False  # vLLM keys cached blocks by adapter
 
     def _register(self, request: Any, path: Path, in_use: set[int]) -> None:
         """Add ``request``'s adapter; drop the oldest beyond ``keep_versions`` that no request uses."""

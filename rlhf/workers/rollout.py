@@ -52,7 +52,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +359,7 @@ class EngineCounters:
         """Counters and timings since start-up (``weight_version`` = last version loaded;
         ``busy_s``: time in engine steps, ``steps``: their number, ``max_in_flight``: most requests
         batched at once, ``inflight_updates``: weight loads that landed with requests in flight,
+        ``continued``: completions a weight load aborted and continued (partial rollouts),
         ``compute_threads``: intra-op threads of its last generation)."""
         batcher = getattr(self, "batcher", None)
         extra = (
@@ -369,6 +370,7 @@ class EngineCounters:
                 "steps": batcher.steps,
                 "max_in_flight": batcher.max_in_flight,
                 "inflight_updates": batcher.inflight_updates,
+                "continued": batcher.continued,
                 "compute_threads": batcher.compute_threads,
             }
         )
@@ -457,6 +459,7 @@ class RolloutEngine(EngineCounters):
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self.inflight_updates = self._no_prefix_cache = inflight_updates
+        self.partial_rollouts = False
         self.batcher = ContinuousBatcher(self.llm.llm_engine, _sampled_logprobs, threads=self._own_threads)
         self._start_counters("vllm", t0)
 
@@ -506,6 +509,11 @@ class RolloutEngine(EngineCounters):
             )
         self.inflight_updates = bool(on)
 
+    def set_partial_rollouts(self, on: bool) -> None:
+        """A weight load without in-flight updates aborts the requests in flight and continues
+        them under the new weights (on), or waits for them (off); see ``ContinuousBatcher.preempting``."""
+        self.partial_rollouts = bool(on)
+
     def request_params(self, prompt: list[int], sampling: Mapping[str, Any], seed: int | None) -> Any:
         """One prompt's ``vllm.SamplingParams`` (a subclass may shape one request's sampling,
         e.g. ``bench/streaming.py``'s long-tailed lengths)."""
@@ -529,23 +537,40 @@ class RolloutEngine(EngineCounters):
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
-        """Load HF-named full tensors into every worker, then drop the prefix cache.
-
-        The prefix cache holds KV computed with the old weights; reusing it would make the
-        first tokens of every new rollout come from the previous policy.
-        """
+        """Load HF-named full tensors into every worker (see ``_loading`` for the requests in flight)."""
         t0 = time.perf_counter()
         named_tensors = list(named_tensors)
         version = self._stats["weight_version"] + 1 if version is None else int(version)
-        if self.inflight_updates:  # no prefix cache to reset (it is off)
-            with self.batcher.between_steps(version):
-                self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
-        else:
-            with self.batcher.exclusive():
-                self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
-                self._reset_prefix_cache()
-                self.batcher.set_version(version)
+        with self._loading(version):
+            self.llm.collective_rpc("rlhf_load_weights", kwargs={"named_tensors": named_tensors})
         self._count_update(t0, version)
+
+    # The prefix cache holds KV computed with the old weights; reusing it would make the first
+    # tokens of every new rollout come from the previous policy. (LoRA: vLLM keys cached blocks
+    # by adapter, so a new adapter never reuses another's.)
+    _cache_holds_weights = True
+
+    @contextlib.contextmanager
+    def _loading(self, version: int, switch_in_flight: bool = True) -> Iterator[None]:
+        """The span of a weight load, after which new tokens are sampled under ``version``:
+        between two engine steps with the requests in flight kept (in-flight updates), with them
+        aborted and continued after it (partial rollouts), or with none in flight (they finish
+        first). The prefix cache is dropped after it where it is on."""
+        if self.inflight_updates:  # the prefix cache is off
+            with self.batcher.between_steps(version, switch_in_flight):
+                yield
+            return
+        hold = (
+            self.batcher.preempting(version, self._lora_request)
+            if self.partial_rollouts
+            else self.batcher.exclusive()
+        )
+        with hold:
+            yield
+            if self._cache_holds_weights:
+                self._reset_prefix_cache()
+            if not self.partial_rollouts:
+                self.batcher.set_version(version)
 
     def _reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -563,14 +588,12 @@ class RolloutEngine(EngineCounters):
 
     def transfer_start(self) -> None:
         self._transfer_t0 = time.perf_counter()
-        # no engine step between start and finish (the transfer spans several calls): requests in
-        # flight pause where they are (inflight_updates) or finish first
-        if self.inflight_updates:
-            self.batcher.pause()
-            self._transfer_exclusive = None
-        else:
-            self._transfer_exclusive = self.batcher.exclusive()
-            self._transfer_exclusive.__enter__()
+        expected = getattr(self, "_next_version", None)
+        self._transfer_version = self._stats["weight_version"] + 1 if expected is None else expected
+        self._next_version = None
+        # no engine step between start and finish: the transfer spans several calls
+        self._transfer = contextlib.ExitStack()
+        self._transfer.enter_context(self._loading(self._transfer_version))
         self.llm.collective_rpc("start_weight_update")
 
     def transfer_update(self, update_info: Any) -> None:
@@ -578,19 +601,9 @@ class RolloutEngine(EngineCounters):
         self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def transfer_finish(self) -> None:
-        version = getattr(self, "_next_version", None) or self._stats["weight_version"] + 1
-        self._next_version = None
-        try:
+        with self._transfer:  # leaves _loading, with this call's error if it failed
             self.llm.collective_rpc("finish_weight_update")
-            if self._transfer_exclusive is not None:
-                self._reset_prefix_cache()
-                self.batcher.set_version(version)
-        finally:
-            if self._transfer_exclusive is None:
-                self.batcher.resume(version)
-            else:
-                self._transfer_exclusive.__exit__(None, None, None)
-        self._count_update(getattr(self, "_transfer_t0", time.perf_counter()), version)
+        self._count_update(self._transfer_t0, self._transfer_version)
 
     def sleep(self, level: int) -> None:
         """Free GPU memory while the trainer runs: level 1 offloads weights to CPU and drops the

@@ -364,6 +364,11 @@ class RolloutPool:
         waits for them (off); see ``RolloutEngine.set_inflight_updates``."""
         self._set_all("set_inflight_updates", bool(on))
 
+    def set_partial_rollouts(self, on: bool) -> None:
+        """Every engine aborts the requests in flight at a weight load and continues them under
+        the new weights (on); see ``RolloutEngine.set_partial_rollouts``."""
+        self._set_all("set_partial_rollouts", bool(on))
+
     def set_cpu_share(self, share: float) -> None:
         """On CPU, every engine generates with ``share`` of its node's cores (0: the CPUs Ray
         gave it); see ``RolloutEngine.set_cpu_share``."""

@@ -28,6 +28,7 @@ def test_streaming_bench_measures_every_mode_on_both_workloads(tmp_path):
         "batch, synchronous",
         "batch, one-step-off",
         "streaming, drain at sync",
+        "streaming, partial rollouts",
         "streaming, in-flight",
     ]
     for name, r in rows.items():

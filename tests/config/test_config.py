@@ -75,6 +75,8 @@ def test_ill_typed_value_fails_at_compose():
         (["algorithm.overlong_buffer_frac=1.5"], "algorithm.overlong_buffer_frac"),
         (["algorithm.overlong_buffer_frac=1.0"], "algorithm.overlong_buffer_frac"),
         (["algorithm=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
+        (["rollout.partial_rollouts=true"], "train.mode=streaming"),
+        (["train.mode=streaming", "rollout.partial_rollouts=true"], "rollout.inflight_updates=false"),
     ],
 )
 def test_semantic_errors_name_the_field(overrides, field):

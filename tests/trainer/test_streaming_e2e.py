@@ -61,7 +61,7 @@ def world(tmp_path_factory, tiny_llama_dir):
         ray.shutdown()
 
 
-def _trainer(world, tmp_path, env: dict | None = None, **train):
+def _trainer(world, tmp_path, env: dict | None = None, rollout: dict | None = None, **train):
     from rlhf.data.prompts import PromptLoader
     from rlhf.envs import load_env
     from rlhf.rewards import load_reward_fn
@@ -71,6 +71,8 @@ def _trainer(world, tmp_path, env: dict | None = None, **train):
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(tmp_path), **train))
     if env:
         cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, **env))
+    if rollout:
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout))
     loader = PromptLoader(world["prompts"], cfg.train.rollout_batch_size, seed=0)
     tr = PPOTrainer(cfg, world["workers"], world["tok"], loader, load_reward_fn(cfg.reward.function))
     if env:
@@ -128,6 +130,20 @@ def test_one_version_ahead_every_token_within_the_bound_and_counted(world, tmp_p
     assert history[0]["async/staleness_max"] == 0  # step 1 can only hold version-0 tokens
     assert any(h["async/staleness_mean"] > 0 for h in history[1:])  # later steps ran ahead
     assert sum(s["weight_version"] == 4 for s in pool.stats()) == pool.num_engines
+
+
+def test_partial_rollouts_continue_what_an_update_interrupts(world, tmp_path):
+    pool = world["workers"].rollout
+    before = sum(s["continued"] for s in pool.stats())
+    partial = {"inflight_updates": False, "partial_rollouts": True, "max_new_tokens": 32}
+    history = _trainer(world, tmp_path, rollout=partial, num_steps=4, max_staleness=1).fit()
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    for h in history:
+        assert h["rollout/num_samples"] == B * N
+        assert 0 <= h["async/staleness_mean"] <= h["async/staleness_max"] <= 1
+    # groups generating for the next step were in flight at the updates and went on after them
+    assert sum(s["continued"] for s in pool.stats()) > before
+    assert any(h["async/stale_token_fraction"] > 0 for h in history[1:])
 
 
 def test_the_agent_loop_streams_its_groups(world, tmp_path):

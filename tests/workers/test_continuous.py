@@ -107,3 +107,49 @@ def test_an_update_lands_between_engine_steps_with_a_request_in_flight(inflight_
     with torch.no_grad():
         lp = _logprobs(new_model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1], after["token_ids"])
     torch.testing.assert_close(torch.tensor(after["logprobs"]), lp, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.e2e
+def test_partial_rollouts_abort_and_continue_with_the_prefix_recomputed(inflight_pool, hf_model) -> None:
+    """``rollout.partial_rollouts``: the update aborts the requests in flight; each completion
+    goes on from its tokens so far under the new weights, which compute its prefix again."""
+    pool = inflight_pool
+    old, new = perturbed(hf_model, seed=4), perturbed(hf_model, seed=5)
+    pool.update_weights(old.state_dict())
+    v = pool.weight_version
+    pool.set_inflight_updates(False)
+    pool.set_partial_rollouts(True)
+    try:
+        stats0 = pool.stats()[0]
+        sampling = {"n": 2, "temperature": 1.0, "max_tokens": 300, "ignore_eos": True, "seed": [11]}
+        ref = pool.submit_turn(0, PROMPT, sampling)
+        deadline = time.monotonic() + 60
+        while pool.stats()[0]["steps"] < stats0["steps"] + 20:
+            assert time.monotonic() < deadline, "the engine took no steps"
+            time.sleep(0.01)
+        pool.update_weights(new.state_dict())
+        comps = pool.group_result(0, ref, lambda: pytest.fail("the engine died"))
+        stats = pool.stats()[0]
+    finally:
+        pool.set_partial_rollouts(False)
+        pool.set_inflight_updates(True)
+
+    assert len(comps) == 2 and comps[0]["token_ids"] != comps[1]["token_ids"]
+    assert stats["continued"] - stats0["continued"] == 2  # both completions of the request
+    assert stats["inflight_updates"] == stats0["inflight_updates"]  # aborted, not kept in flight
+    for comp in comps:
+        versions, tokens = comp["versions"], comp["token_ids"]
+        assert len(tokens) == 300 and comp["finish_reason"] == "length"
+        k = versions.index(v + 1)
+        assert 0 < k < len(tokens), "the update must land with the request in flight"
+        assert versions == [v] * k + [v + 1] * (len(tokens) - k)
+        engine = torch.tensor(comp["logprobs"])
+        ids = torch.tensor([PROMPT + tokens])
+        n = len(PROMPT)
+        with torch.no_grad():
+            under_old = _logprobs(old(input_ids=ids).logits[0, n - 1 : n - 1 + k], tokens[:k])
+            under_new = _logprobs(new(input_ids=ids).logits[0, n - 1 + k : -1], tokens[k:])
+        torch.testing.assert_close(engine, torch.cat([under_old, under_new]), atol=2e-4, rtol=1e-4)
+        # not the kept-cache numbers of in-flight updates: the prefix was computed again
+        kept = _kept_cache_reference(old, new, PROMPT, tokens, k)
+        assert (engine[k + 1 :] - kept[k + 1 :]).abs().max() > 1e-2
