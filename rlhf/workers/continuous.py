@@ -201,14 +201,18 @@ class ContinuousBatcher:
         """Step again; with ``version``, tokens sampled from now on are sampled under it."""
         with self._cv:
             if version is not None:
-                if switch_in_flight:
-                    for c in self._unfinished():
-                        c.versions.append((len(c.token_ids), version))
                 if self._requests:
                     self.inflight_updates += 1
-                self.version = version
+                self._switch(version, switch_in_flight)
             self._paused -= 1
             self._cv.notify_all()
+
+    def _switch(self, version: int, in_flight: bool = True) -> None:
+        """Tokens sampled from now on (of the requests in flight too, ``in_flight``) are ``version``'s."""
+        if in_flight:
+            for c in self._unfinished():
+                c.versions.append((len(c.token_ids), version))
+        self.version = version
 
     @contextlib.contextmanager
     def preempting(self, version: int, lora_of: Callable[[], Any] = lambda: None) -> Iterator[None]:
@@ -243,7 +247,9 @@ class ContinuousBatcher:
                         self._continue(feed.request, k, lora)
                 self._fed(feed.request)
             self._preempted = []
-        self.resume(version)
+            self._switch(version)  # not an in-flight update: nothing kept its old cache
+            self._paused -= 1
+            self._cv.notify_all()
 
     def _continue(self, req: _Request, k: int, lora: Any) -> None:
         comp, params = req.completions[k], req.params.clone()

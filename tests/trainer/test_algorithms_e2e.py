@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 
@@ -109,10 +108,9 @@ def test_dapo_preset_fills_the_batch_with_informative_groups(world, tmp_path, ma
         assert h["reward/overlong_penalty_mean"] <= 0
         assert math.isfinite(h["policy/loss"])
     assert _changed(before, _weights(world))
-    # Generating alone (synchronous), the engine computes on every core; next to training
-    # (one step off), on the one CPU Ray gave it.
-    threads = [s["compute_threads"] for s in world["workers"].rollout.stats()]
-    assert threads == [len(os.sched_getaffinity(0)) if max_staleness == 0 else 1]
+    # The tiny model is too narrow for a second thread to pay off (RolloutEngine.threads_min_hidden):
+    # it keeps the one CPU Ray gave the engine even in a synchronous run.
+    assert [s["compute_threads"] for s in world["workers"].rollout.stats()] == [1]
 
 
 def test_dapo_never_aborts_when_no_group_is_informative(world, tmp_path):

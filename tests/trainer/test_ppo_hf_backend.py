@@ -60,6 +60,8 @@ def test_grpo_with_hf_engines_trains_syncs_and_agrees_with_the_trainer(tmp_path,
             # the engine's logprobs are the trainer's own on the same weights (fp32, same model)
             assert h["rollout/logprob_gap"] < 1e-4, h["rollout/logprob_gap"]
         assert [s["weight_version"] for s in workers.rollout.stats()] == [2]
+        # a synchronous run: the engine generated on every core (the ranks wait for it)
+        assert [s["compute_threads"] for s in workers.rollout.stats()] == [len(os.sched_getaffinity(0))]
         # after the last sync the engine serves the trained weights
         model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
         model.load_state_dict(workers.actor.get_weights())

@@ -83,7 +83,12 @@ def pool(ray_session, model_dir):
     t0 = time.perf_counter()
     p = RolloutPool(
         num_engines=2,
-        engine_kwargs={"model_path": str(model_dir), "max_model_len": MAX_MODEL_LEN, "dtype": "float32"},
+        engine_kwargs={
+            "model_path": str(model_dir),
+            "max_model_len": MAX_MODEL_LEN,
+            "dtype": "float32",
+            "threads_min_hidden": 0,  # the tiny model takes the cores it is offered too
+        },
         num_cpus_per_engine=1,
         num_gpus_per_engine=0,
         env_vars=env,
