@@ -29,6 +29,8 @@ Measured (2-core CI-like machine, 2026-12-06, defaults): (a) samples/s 37.4 sync
 one-step-off, 50.6 streaming draining at each sync, 62.1 streaming with in-flight updates:
 1.66x synchronous, 1.25x one-step-off (``--stream-staleness 8``: 1.69x, 1.36x); no group
 dropped. (b) per-batch loop 48.1 traj/s, per-batch ideal 59.6, streaming 78.9: 1.32x the ideal.
+2026-12-07 with partial rollouts: (a) 39.7 synchronous, 34.1 one-step-off, 45.2 drain, 68.4
+partial rollouts, 63.4 in-flight (1.72x and 1.60x synchronous); (b) 44.9, 55.2, 80.5 (1.46x).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ import torch
 
 from rlhf.models.decode import sample_completions
 from rlhf.models.sampling import SamplingSpec
+from rlhf.workers.engine_counters import EngineCounters
 from rlhf.workers.rollout import (
-    EngineCounters,
     RolloutEngineError,
     _per_prompt_seeds,
     check_sampling,
