@@ -70,12 +70,13 @@ def test_adapter_sync_serves_the_peft_policy_and_keeps_k_plus_1_versions(ray_ses
         full = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" not in n)
         sent = sum(t.numel() * t.element_size() for t in adapter.values())
         assert sent < 0.1 * full  # what one sync ships
-        _inflight_adapter_update(pool, policy, tiny_llama_dir)
+        v4 = _inflight_adapter_update(pool, policy, tiny_llama_dir)
+        _partial_adapter_update(pool, v4, tiny_llama_dir)
     finally:
         pool.shutdown()
 
 
-def _inflight_adapter_update(pool, policy_v3, model_dir) -> None:
+def _inflight_adapter_update(pool, policy_v3, model_dir):
     """Streaming (in-flight updates on): adapter v4 lands while a request started under v3 is
     generating; vLLM binds the adapter to the request, so all its tokens are v3's (PEFT's
     log-probs of v3), v3 stays registered while in use, and the next request takes v4."""
@@ -105,6 +106,44 @@ def _inflight_adapter_update(pool, policy_v3, model_dir) -> None:
         torch.tensor(comp["logprobs"]), lp[pos, ids[0, len(PROMPTS[0]) :]], atol=1e-4, rtol=0
     )
     _check_against(v4, pool.generate(PROMPTS, GREEDY), "adapter v4 after an in-flight update")
+    return v4
+
+
+def _partial_adapter_update(pool, v4, model_dir) -> None:
+    """Partial rollouts: adapter v5 lands while a request started under v4 is generating; the
+    request is aborted and goes on under v5 from its tokens so far, so its log-probs are PEFT
+    v4's before the switch and PEFT v5's (over the whole prefix) after it."""
+    import time
+
+    import ray
+
+    pool.set_inflight_updates(False)
+    pool.set_partial_rollouts(True)
+    stats0 = pool.stats()[0]
+    sampling = {"n": 1, "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "seed": [6]}
+    ref = pool.submit_turn(0, PROMPTS[0], sampling)
+    deadline = time.monotonic() + 60
+    while pool.stats()[0]["steps"] < stats0["steps"] + 20:
+        assert time.monotonic() < deadline, "the engine took no steps"
+        time.sleep(0.01)
+    v5 = _policy(model_dir, 5)
+    pool.update_weights(adapter_tensors(v5.named_parameters()))
+    comp = pool.group_result(0, ref, lambda: pytest.fail("the engine died"))[0]
+    assert pool.stats()[0]["continued"] == stats0["continued"] + 1
+    assert ray.get(pool.engines[0].loaded_versions.remote()) == [4, 5]  # nothing runs under v3
+    k = comp["versions"].index(5)
+    assert 0 < k < 400 and comp["versions"] == [4] * k + [5] * (400 - k)
+    n = len(PROMPTS[0])
+    ids = torch.tensor([PROMPTS[0] + comp["token_ids"]])
+    tokens = ids[0, n:]
+    with torch.no_grad():
+        old = torch.log_softmax(v4(input_ids=ids).logits[0].float(), -1)[
+            torch.arange(n - 1, n - 1 + k), tokens[:k]
+        ]
+        new = torch.log_softmax(v5(input_ids=ids).logits[0].float(), -1)[
+            torch.arange(n - 1 + k, ids.shape[1] - 1), tokens[k:]
+        ]
+    torch.testing.assert_close(torch.tensor(comp["logprobs"]), torch.cat([old, new]), atol=1e-4, rtol=0)
 
 
 def test_merged_sync_serves_the_peft_policy(ray_session, tiny_llama_dir):
