@@ -23,6 +23,7 @@ import torch
 from rlhf.models.decode import sample_completions
 from rlhf.models.sampling import SamplingSpec
 from rlhf.workers.engine_counters import EngineCounters
+from rlhf.workers.placement import use_threads
 from rlhf.workers.rollout import (
     RolloutEngineError,
     _per_prompt_seeds,
@@ -95,9 +96,7 @@ class HFRolloutEngine(EngineCounters):
         self._start_counters("hf", t0)
 
     def _use_threads(self, n: int) -> None:
-        # a plain (single-threaded) actor: its calls all run on the thread that computes
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
+        use_threads(n)  # a plain (single-threaded) actor: its calls all run on the thread that computes
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: Mapping[str, Any]) -> list[list[dict]]:
         """Same request and result as ``RolloutEngine.generate`` (see ``rlhf.workers.rollout``)."""

@@ -32,6 +32,7 @@ __all__ = [
     "describe_resources",
     "free_port",
     "use_cpu_share",
+    "use_threads",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,13 @@ def use_cpu_share(cpu_share: float) -> None:
     """Compute (torch intra-op threads) with ``cpu_share`` of this node's cores, at least one.
 
     The driver knows which processes run at the same time, so it hands each its share."""
+    use_threads(cpu_threads(cpu_share))
+
+
+def use_threads(n: int) -> None:
+    """Compute (torch intra-op threads of this thread) with ``n`` threads."""
     import torch
 
-    n = cpu_threads(cpu_share)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 

@@ -52,6 +52,18 @@ def inflight_pool(ray_session, tiny_llama_dir):
     p.shutdown()
 
 
+def submit_under_way(pool, prompt: list[int], sampling: dict, steps: int = 20):
+    """Send one request to engine 0; return its ref once the engine took ``steps`` steps since
+    (the request is well under way when the caller's weight update lands)."""
+    steps0 = pool.stats()[0]["steps"]
+    ref = pool.submit_turn(0, prompt, sampling)
+    deadline = time.monotonic() + 60
+    while pool.stats()[0]["steps"] < steps0 + steps:
+        assert time.monotonic() < deadline, "the engine took no steps"
+        time.sleep(0.01)
+    return ref
+
+
 def _logprobs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
 
@@ -72,13 +84,8 @@ def _kept_cache_reference(old, new, prompt: list[int], tokens: list[int], k: int
 @pytest.mark.e2e
 def test_an_update_lands_between_engine_steps_with_a_request_in_flight(inflight_pool, hf_model) -> None:
     pool = inflight_pool
-    steps0 = pool.stats()[0]["steps"]
     sampling = {"n": 1, "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "seed": [7]}
-    ref = pool.submit_turn(0, PROMPT, sampling)
-    deadline = time.monotonic() + 60
-    while pool.stats()[0]["steps"] < steps0 + 20:  # the request is well under way
-        assert time.monotonic() < deadline, "the engine took no steps"
-        time.sleep(0.01)
+    ref = submit_under_way(pool, PROMPT, sampling)
     new_model = perturbed(hf_model, seed=3)
     pool.update_weights(new_model.state_dict())
     comp = pool.group_result(0, ref, lambda: pytest.fail("the engine died"))[0]
@@ -122,11 +129,7 @@ def test_partial_rollouts_abort_and_continue_with_the_prefix_recomputed(inflight
     try:
         stats0 = pool.stats()[0]
         sampling = {"n": 2, "temperature": 1.0, "max_tokens": 300, "ignore_eos": True, "seed": [11]}
-        ref = pool.submit_turn(0, PROMPT, sampling)
-        deadline = time.monotonic() + 60
-        while pool.stats()[0]["steps"] < stats0["steps"] + 20:
-            assert time.monotonic() < deadline, "the engine took no steps"
-            time.sleep(0.01)
+        ref = submit_under_way(pool, PROMPT, sampling)
         pool.update_weights(new.state_dict())
         comps = pool.group_result(0, ref, lambda: pytest.fail("the engine died"))
         stats = pool.stats()[0]

@@ -12,6 +12,7 @@ from rlhf.workers.rollout import default_engine_env
 from rlhf.workers.rollout_pool import RolloutPool
 
 from ..models.test_lora import trained_lora_model
+from .test_continuous import submit_under_way
 
 pytestmark = pytest.mark.e2e
 LORA = LoraSettings(rank=4, alpha=8.0)
@@ -80,18 +81,11 @@ def _inflight_adapter_update(pool, policy_v3, model_dir):
     """Streaming (in-flight updates on): adapter v4 lands while a request started under v3 is
     generating; vLLM binds the adapter to the request, so all its tokens are v3's (PEFT's
     log-probs of v3), v3 stays registered while in use, and the next request takes v4."""
-    import time
-
     import ray
 
     pool.set_inflight_updates(True)
-    steps0 = pool.stats()[0]["steps"]
     sampling = {"n": 1, "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "seed": [5]}
-    ref = pool.submit_turn(0, PROMPTS[0], sampling)
-    deadline = time.monotonic() + 60
-    while pool.stats()[0]["steps"] < steps0 + 20:
-        assert time.monotonic() < deadline, "the engine took no steps"
-        time.sleep(0.01)
+    ref = submit_under_way(pool, PROMPTS[0], sampling)
     v4 = _policy(model_dir, 4)
     pool.update_weights(adapter_tensors(v4.named_parameters()))
     assert ray.get(pool.engines[0].loaded_versions.remote()) == [3, 4]  # v2 gone, v3 in use
@@ -113,19 +107,13 @@ def _partial_adapter_update(pool, v4, model_dir) -> None:
     """Partial rollouts: adapter v5 lands while a request started under v4 is generating; the
     request is aborted and goes on under v5 from its tokens so far, so its log-probs are PEFT
     v4's before the switch and PEFT v5's (over the whole prefix) after it."""
-    import time
-
     import ray
 
     pool.set_inflight_updates(False)
     pool.set_partial_rollouts(True)
     stats0 = pool.stats()[0]
     sampling = {"n": 1, "temperature": 1.0, "max_tokens": 400, "ignore_eos": True, "seed": [6]}
-    ref = pool.submit_turn(0, PROMPTS[0], sampling)
-    deadline = time.monotonic() + 60
-    while pool.stats()[0]["steps"] < stats0["steps"] + 20:
-        assert time.monotonic() < deadline, "the engine took no steps"
-        time.sleep(0.01)
+    ref = submit_under_way(pool, PROMPTS[0], sampling)
     v5 = _policy(model_dir, 5)
     pool.update_weights(adapter_tensors(v5.named_parameters()))
     comp = pool.group_result(0, ref, lambda: pytest.fail("the engine died"))[0]
