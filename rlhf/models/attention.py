@@ -422,7 +422,7 @@ def packed_varlen_attention_forward(
 
 
 # ---------------------------------------------------------------------------- registration
-def _packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+def packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """No mask for one unpadded row (the attention splits it by sample); sdpa's mask otherwise."""
     b, q, kv = kwargs.get("batch_size"), kwargs.get("q_length"), kwargs.get("kv_length")
     if attention_mask is None and b == 1 and q == kv and not kwargs.get("q_offset"):
@@ -436,7 +436,7 @@ def _register() -> None:
         (PACKED_VARLEN, packed_varlen_attention_forward),
     ):
         AttentionInterface.register(name, fn)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, _packed_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, packed_mask)
 
 
 _register()

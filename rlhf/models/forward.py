@@ -27,6 +27,7 @@ from rlhf.models.attention import (
     resolve_attn_impl,
     unwrap_model,
 )
+from rlhf.models.sequence_parallel import gather_row, sequence_parallel_of, split_row
 
 __all__ = [
     "ATTN_IMPLS",
@@ -125,21 +126,37 @@ def packed_logprobs(
     ``entropy_grad=False``: the entropy is a detached statistic (no graph kept for it).
     ``model`` is a causal LM (or a wrapper whose forward takes the HF kwargs).
     """
-    logits = model(**packed_model_kwargs(model, batch)).logits[0]
-    lp, ent = logprobs_from_logits(
-        logits[:-1], batch.input_ids[1:], temperature, return_entropy, entropy_grad=entropy_grad
-    )
+    sp = sequence_parallel_of(model)
+    if sp is None:
+        logits = model(**packed_model_kwargs(model, batch)).logits[0]
+        lp, ent = logprobs_from_logits(
+            logits[:-1], batch.input_ids[1:], temperature, return_entropy, entropy_grad=entropy_grad
+        )
+    else:
+        # This rank's slice of the row; the last position of the row predicts nothing.
+        split = split_row(sp, batch)
+        logits = model(**split.model_kwargs()).logits[0]
+        lp, ent = logprobs_from_logits(
+            logits, split.targets, temperature, return_entropy, entropy_grad=entropy_grad
+        )
+        lp = gather_row(lp, split)[:-1]
+        ent = gather_row(ent, split)[:-1] if ent is not None else None
     return _shift_to_tokens(lp, batch), (_shift_to_tokens(ent, batch) if ent is not None else None)
 
 
-def _hidden_and_head(model: torch.nn.Module, batch: FlatBatch) -> tuple[torch.Tensor, torch.nn.Module]:
+def _head_per_position(model: torch.nn.Module, batch: FlatBatch) -> torch.Tensor:
+    """``score(hidden[t])`` for every position of the row: ``[T]`` float32."""
     m = unwrap_model(model)
     head = getattr(m, "score", None)
     if head is None:
         raise TypeError(f"{type(m).__name__} has no `.score` head; build it with build_value_model")
-    kw = packed_model_kwargs(m, batch)
-    hidden = m.base_model(**kw).last_hidden_state[0]
-    return hidden, head
+    sp = sequence_parallel_of(m)
+    if sp is None:
+        hidden = m.base_model(**packed_model_kwargs(m, batch)).last_hidden_state[0]
+        return head(hidden).squeeze(-1).float()
+    split = split_row(sp, batch)
+    hidden = m.base_model(**split.model_kwargs()).last_hidden_state[0]
+    return gather_row(head(hidden).squeeze(-1).float(), split)
 
 
 def packed_hidden_values(model: torch.nn.Module, batch: FlatBatch) -> torch.Tensor:
@@ -148,16 +165,14 @@ def packed_hidden_values(model: torch.nn.Module, batch: FlatBatch) -> torch.Tens
     The value of token ``t`` is that of the state before it, the same shift as the logprobs,
     so values, logprobs and the action mask line up index by index.
     """
-    hidden, head = _hidden_and_head(model, batch)
-    v = head(hidden[:-1]).squeeze(-1).float()
-    return _shift_to_tokens(v, batch)
+    return _shift_to_tokens(_head_per_position(model, batch)[:-1], batch)
 
 
 def packed_sequence_scores(model: torch.nn.Module, batch: FlatBatch) -> torch.Tensor:
     """Reward-model scores ``[B]`` float32: the head on each sample's LAST token (no pad lookup)."""
-    hidden, head = _hidden_and_head(model, batch)
-    last = batch.cu_seqlens[1:].to(device=hidden.device, dtype=torch.long) - 1
-    return head(hidden[last]).squeeze(-1).float()
+    per_position = _head_per_position(model, batch)
+    last = batch.cu_seqlens[1:].to(device=per_position.device, dtype=torch.long) - 1
+    return per_position[last]
 
 
 # ---------------------------------------------------------------------------- value models
