@@ -8,7 +8,8 @@ own files, and each mistake used to surface minutes later from inside a worker a
 - LoRA with adapter-only sync on an architecture vLLM serves no LoRA for (``rollout.lora_sync=merged``
   is the way there);
 - ``reward.model_path`` or ``model.critic_path`` pointing at a PEFT adapter directory (a LoRA
-  run's ``final``) instead of a full model (its ``final_merged``).
+  run's ``final``) instead of a full model (its ``final_merged``);
+- ``model.sequence_parallel_size`` that does not divide the model's attention heads.
 
 Each raises ``ConfigError`` with one message naming the field and the fix.
 """
@@ -23,7 +24,13 @@ from rlhf.config import ConfigError
 
 log = logging.getLogger("rlhf")
 
-__all__ = ["check_adapter_dir", "check_lora_targets", "check_model_dirs", "check_vllm_lora"]
+__all__ = [
+    "check_adapter_dir",
+    "check_lora_targets",
+    "check_model_dirs",
+    "check_sequence_parallel_heads",
+    "check_vllm_lora",
+]
 
 
 def check_adapter_dir(field: str, path: str) -> None:
@@ -96,9 +103,24 @@ def check_vllm_lora(model_dir: str) -> None:
             )
 
 
+def check_sequence_parallel_heads(size: int, model_dir: str) -> None:
+    """Ulysses gives each of ``size`` ranks ``heads / size`` attention heads."""
+    if size == 1:
+        return
+    from transformers import AutoConfig
+
+    from rlhf.models.sequence_parallel import check_sequence_parallel
+
+    try:
+        check_sequence_parallel(AutoConfig.from_pretrained(model_dir), size)
+    except ValueError as e:
+        raise ConfigError(f"{model_dir}: {e}") from None
+
+
 def check_model_dirs(cfg: Any, model_dir: str) -> None:
     """Every check above that applies to ``cfg`` (a PPO, SFT, DPO or RM config)."""
     check_lora_targets(cfg.model.lora, model_dir)
+    check_sequence_parallel_heads(cfg.model.sequence_parallel_size, model_dir)
     if getattr(cfg, "syncs_adapter", False) and cfg.rollout.backend == "vllm":
         check_vllm_lora(model_dir)
     reward = getattr(cfg, "reward", None)

@@ -76,6 +76,19 @@ def test_a_peft_adapter_dir_as_a_model_path_names_final_merged(tmp_path, tiny_ll
     check_adapter_dir("reward.model_path", str(run / "final_merged"))
 
 
+def test_sequence_parallel_size_must_divide_the_models_heads(tiny_llama_dir):
+    # The tiny Llama has 2 attention heads.
+    cfg = compose("ppo", ["experiment=toy_count", "algorithm=grpo", "model.sequence_parallel_size=4",
+                          "cluster.actor_ranks=4", "cluster.ref_ranks=4"])  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"sequence_parallel_size=4 must divide the model's 2 attention heads.*\[1, 2\]"
+    ):
+        check_model_dirs(cfg, str(tiny_llama_dir))
+    ok = compose("ppo", ["experiment=toy_count", "algorithm=grpo", "model.sequence_parallel_size=2",
+                         "cluster.actor_ranks=2", "cluster.ref_ranks=2"])  # fmt: skip
+    check_model_dirs(ok, str(tiny_llama_dir))
+
+
 def test_the_cli_refuses_them_before_ray_starts(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run(

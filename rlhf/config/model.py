@@ -71,8 +71,28 @@ class ModelConfig:
     critic_path: str = ""  # "" = critic from model.path with a fresh value head
     # packed attention path (docs/gpu.md); auto = flash-attn, else varlen, else packed_sdpa
     attn_impl: str = "auto"
+    # Ranks that split each packed row along the sequence (Ulysses, docs/long-context.md); it
+    # must divide every model group's ranks and the model's attention heads. 1 = off.
+    sequence_parallel_size: int = 1
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _one_of("model.attn_impl", self.attn_impl, ATTN_IMPLS)
+        k = self.sequence_parallel_size
+        _check(k >= 1, f"model.sequence_parallel_size must be >= 1 (1 = off), got {k}")
+        _check(
+            k == 1 or self.attn_impl not in ("sdpa", "eager"),
+            f"model.sequence_parallel_size={k} needs a packed attention path: model.attn_impl={self.attn_impl} "
+            "attends across the split row; use auto, packed_sdpa, packed_varlen or flash_attention_2",
+        )
+
+    def check_sequence_parallel_ranks(self, ranks: dict[str, int]) -> None:
+        """Every model group's ranks (``{"cluster.actor_ranks": n, ...}``) split into whole groups."""
+        k = self.sequence_parallel_size
+        for name, n in ranks.items():
+            _check(
+                n % k == 0,
+                f"model.sequence_parallel_size={k} must divide {name}={n} (each group of {k} ranks splits "
+                f"one row); set {name} to a multiple of {k}",
+            )

@@ -384,6 +384,15 @@ class TrainConfig(RunConfig):
         _check(self.max_recoveries >= 0, f"train.max_recoveries must be >= 0, got {self.max_recoveries}")
 
 
+# The cluster field holding each model role's number of ranks.
+RANK_FIELDS = {
+    "actor": "actor_ranks",
+    "reference": "ref_ranks",
+    "critic": "critic_ranks",
+    "reward": "reward_ranks",
+}
+
+
 @dataclass
 class ClusterConfig:
     """Where things run: Ray address, device, ranks and placement."""
@@ -507,10 +516,25 @@ class PPOConfig:
             "set reward.function (a verifier of that answer, e.g. rlhf.rewards.verifiers:math_verify_reward)",
         )
 
+    def model_roles(self) -> list[str]:
+        """The DeepSpeed model groups this run starts, actor first."""
+        a = self.algorithm
+        roles = ["actor"]
+        if a.kl_coef > 0 and not self.reference_is_actor_base:
+            roles.append("reference")
+        if a.uses_critic:
+            roles.append("critic")
+        if self.reward.type == "model":
+            roles.append("reward")
+        return roles
+
     def __post_init__(self) -> None:
         check_offload_device(self.train, self.cluster)
         check_streaming(self)  # and rollout.weight_sync
         r, c = self.rollout, self.cluster
+        self.model.check_sequence_parallel_ranks(
+            {f"cluster.{RANK_FIELDS[r]}": getattr(c, RANK_FIELDS[r]) for r in self.model_roles()}
+        )
         if c.colocate_engines:
             _check(
                 c.colocate,

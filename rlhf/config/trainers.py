@@ -99,9 +99,16 @@ class DPOParams:
 DEFAULT_LR: dict[str, tuple[float, float]] = {"sft": (1e-5, 1e-4), "dpo": (1e-6, 1e-5), "rm": (1e-5, 1e-4)}
 
 
+# The cluster ranks each supervised trainer starts model groups on.
+_RANKS = {"sft": ("actor_ranks",), "dpo": ("actor_ranks", "ref_ranks"), "rm": ("reward_ranks",)}
+
+
 def _resolve(cfg, trainer: str, pairs: bool) -> None:
     """The checks every supervised config shares, and ``train.lr``'s default."""
     _check_fits(cfg.data.max_len, cfg.train.max_tokens_per_microbatch, 2 if pairs else 1)
+    cfg.model.check_sequence_parallel_ranks(
+        {f"cluster.{n}": getattr(cfg.cluster, n) for n in _RANKS[trainer]}
+    )
     check_offload_device(cfg.train, cfg.cluster)
     if cfg.train.lr is None:
         cfg.train.lr = DEFAULT_LR[trainer][1 if cfg.model.lora.rank > 0 else 0]

@@ -40,16 +40,21 @@ log = logging.getLogger("rlhf")
 PENDING_ROLLOUTS = "pending_rollouts"
 
 
-def packing_metrics(samples: list[Sample], budget: int) -> dict[str, float]:
+def packing_metrics(samples: list[Sample], budget: int, sequence_parallel_size: int = 1) -> dict[str, float]:
     """Packed rows hold only real tokens, so the padding a trainer would waste is reported as
     ``left_pad_fraction``: the share of pads in one left-padded batch of the same samples
-    (OpenRLHF/DeepSpeed-Chat layout). ``budget_fill`` is how full the packed rows are."""
+    (OpenRLHF/DeepSpeed-Chat layout). ``budget_fill`` is how full the packed rows are;
+    ``pad_fraction`` the share of pads in the rows the model runs (a row split over ``k``
+    sequence-parallel ranks is padded to a multiple of ``k``; none otherwise)."""
     lens = [len(s) for s in samples]
     prompt = max(s.response_start for s in samples)
     resp = max(len(s) - s.response_start for s in samples)
     bins = plan_bins(lens, budget)
     real = sum(lens)
+    k = sequence_parallel_size
+    pads = sum(-sum(lens[i] for i in b) % k for b in bins)
     return {
+        "packing/pad_fraction": pads / (real + pads),
         "packing/left_pad_fraction": 1.0 - real / (len(samples) * (prompt + resp)),
         "packing/budget_fill": real / (len(bins) * budget),
         "packing/micro_batches": float(len(bins)),
@@ -250,7 +255,11 @@ class PPOTrainer:
         )
         metrics["time/engine_wait_s"] = self.pipeline.take_engine_idle()
         elapsed = time.perf_counter() - t0
-        metrics.update(self.rollout_metrics(samples, batch.stats, self.cfg.train.max_tokens_per_microbatch))
+        metrics.update(
+            self.rollout_metrics(
+                samples, batch.stats, self.cfg.train.max_tokens_per_microbatch, self.w.actor.sp_size
+            )
+        )
         if gap is not None:
             metrics["rollout/logprob_gap"] = gap
         metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": sum(len(s) for s in samples) / elapsed})
@@ -374,7 +383,9 @@ class PPOTrainer:
             self.engine_sync.push(version)
 
     @staticmethod
-    def rollout_metrics(samples: list[Sample], rstats: RolloutStats, budget: int) -> dict[str, float]:
+    def rollout_metrics(
+        samples: list[Sample], rstats: RolloutStats, budget: int, sequence_parallel_size: int = 1
+    ) -> dict[str, float]:
         scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
         m = {
             "reward/mean": float(scores.mean()),
@@ -395,7 +406,7 @@ class PPOTrainer:
             "rollout/observation_tokens_mean": sum(len(s) - s.response_start - s.num_actions for s in samples)
             / len(samples),
         }
-        m.update(packing_metrics(samples, budget))
+        m.update(packing_metrics(samples, budget, sequence_parallel_size))
         return m
 
     # -- checkpoints ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlhf.config.schema import DeepSpeedConfig
+from rlhf.config.schema import RANK_FIELDS, DeepSpeedConfig
 from rlhf.envvars import cpu_env
 from rlhf.storage import local_mirror
 from rlhf.workers.local_ray import LocalRay
@@ -234,6 +234,7 @@ def model_group(
             attn_impl=cfg.model.attn_impl,
             seed=t.seed,
             startup_timeout_s=c.startup_timeout_s,
+            sequence_parallel_size=cfg.model.sequence_parallel_size,
         )
         try:
             yield group
@@ -329,15 +330,14 @@ def _rollout_pool(cfg: PPOConfig, model_dir: str, pg: object) -> RolloutPool:
 
 def _roles(cfg: PPOConfig, model_dir: str) -> list[tuple[str, int, str, float]]:
     """``(role, ranks, model dir, lr)`` of every DeepSpeed group the run needs."""
-    c, a, t = cfg.cluster, cfg.algorithm, cfg.train
-    roles = [("actor", c.actor_ranks, model_dir, t.actor_lr)]
-    if a.kl_coef > 0 and not cfg.reference_is_actor_base:
-        roles.append(("reference", c.ref_ranks, model_dir, 0.0))
-    if a.uses_critic:
-        roles.append(("critic", c.critic_ranks, cfg.model.critic_path or model_dir, t.critic_lr))
-    if cfg.reward.type == "model":
-        roles.append(("reward", c.reward_ranks, cfg.reward.model_path, 0.0))
-    return roles
+    t = cfg.train
+    dirs = {
+        "actor": (model_dir, t.actor_lr),
+        "reference": (model_dir, 0.0),
+        "critic": (cfg.model.critic_path or model_dir, t.critic_lr),
+        "reward": (cfg.reward.model_path, 0.0),
+    }
+    return [(r, getattr(cfg.cluster, RANK_FIELDS[r]), *dirs[r]) for r in cfg.model_roles()]
 
 
 def _bundles(cfg: PPOConfig, roles: list[tuple[str, int, str, float]]) -> dict[str, tuple[int, float, float]]:
@@ -420,6 +420,7 @@ def build_workers(cfg: PPOConfig, model_dir: str) -> Workers:
                 wait=False,
                 lora=lora_settings(cfg.model),
                 lora_sync=cfg.rollout.lora_sync,
+                sequence_parallel_size=cfg.model.sequence_parallel_size,
             )
         pool = _rollout_pool(cfg, model_dir, pgs["all" if c.colocate_engines else "engines"])
         # Engines and ranks load at the same time; wait for all of them (start-up says where it is).

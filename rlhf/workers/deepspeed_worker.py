@@ -136,6 +136,26 @@ def _holds_causal_lm(model_dir: str) -> bool:
     return bool(archs) and all(a.endswith("ForCausalLM") for a in archs)
 
 
+def _sequence_parallel_group(rank: int, world_size: int, size: int) -> Any:
+    """This rank's ``SequenceParallel``: ranks ``[g k, (g+1) k)`` split the same rows.
+
+    Every rank creates every group, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    from rlhf.models.sequence_parallel import SequenceParallel
+
+    if size < 1 or world_size % size:
+        raise ValueError(f"model.sequence_parallel_size={size} must divide the group's {world_size} ranks")
+    if size == 1:
+        return SequenceParallel(size=1, rank=0)
+    mine = None
+    for start in range(0, world_size, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = SequenceParallel(size=size, rank=rank - start, group=group)
+    return mine
+
+
 class ModelWorker(WorkerWeights):
     """One rank of a model group. All ranks of a group must receive the same calls in the same order.
 
@@ -153,11 +173,15 @@ class ModelWorker(WorkerWeights):
             start of reward-model training, and any other dir (a trained
             ``*ForSequenceClassification``) with its own head.
         model_dir: HF model directory.
-        rank, world_size: data-parallel rank and size of this group.
+        rank, world_size: rank and number of ranks of this group (``world_size /
+            sequence_parallel_size`` data-parallel shards).
         master_addr, master_port: rendezvous of this group's process group.
         settings: the group's ``DeepSpeedSettings``.
         attn_impl: passed to ``rlhf.models.forward.prepare_model_for_packing``.
         seed: torch seed (value-head init, dropout).
+        sequence_parallel_size: ranks that split each packed row along the sequence
+            (``rlhf.models.sequence_parallel``); consecutive ranks form a group and receive
+            the same micro-batches.
         log_dir: where DeepSpeed's INFO lines go (``<role>-<rank>.log``); the console keeps
             warnings. None leaves its logging as it is.
     """
@@ -176,6 +200,7 @@ class ModelWorker(WorkerWeights):
         log_dir: str | None = None,
         lora: LoraSettings | None = None,
         lora_sync: str = "adapter",
+        sequence_parallel_size: int = 1,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -214,6 +239,7 @@ class ModelWorker(WorkerWeights):
             )
         if printed.getvalue().strip():
             logger.info("%s", printed.getvalue().strip())
+        self.sp = _sequence_parallel_group(rank, world_size, sequence_parallel_size)
         torch.manual_seed(seed)
         self.ds_config = build_ds_config(self.settings, world_size, train=self.trainable)
         self.zero3 = self.settings.zero_stage == 3
@@ -225,6 +251,7 @@ class ModelWorker(WorkerWeights):
         from transformers import AutoModelForCausalLM
 
         from rlhf.models.forward import build_value_model, prepare_model_for_packing
+        from rlhf.models.sequence_parallel import enable_sequence_parallel
 
         dtype = torch.bfloat16 if self.settings.bf16 else torch.float32
         if self.zero3 and self.settings.zero3_init:
@@ -265,6 +292,7 @@ class ModelWorker(WorkerWeights):
             if self.rank == 0:
                 logger.info("%s: LoRA rank %d, %d trainable parameters", self.role, self.lora.rank, n)
         prepare_model_for_packing(model, attn_impl=attn_impl)
+        enable_sequence_parallel(model, self.sp)
         if self.trainable and self.settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.trainable:

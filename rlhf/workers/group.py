@@ -103,7 +103,7 @@ class ModelGroup:
         role: ``actor``, ``critic``, ``reference`` or ``reward`` (see ``ModelWorker``).
         model_dir: HF model directory (a causal LM; for reward, a sequence-classification model,
             or a causal LM to start reward-model training from).
-        num_ranks: data-parallel size.
+        num_ranks: ranks (processes); data-parallel size ``num_ranks / sequence_parallel_size``.
         settings: the group's ``DeepSpeedSettings`` (default: its defaults); a ``reward`` group
             trains only with ``settings.lr > 0``.
         placement: where the ranks run; default: anywhere on the driver's node, 1 CPU each.
@@ -113,6 +113,9 @@ class ModelGroup:
         log_dir: where the ranks write DeepSpeed's INFO lines (None: to the console).
         wait: wait for the ranks to start here (else call ``wait_started``).
         startup_timeout_s: longest wait for the ranks to be scheduled and load the model.
+        sequence_parallel_size: ranks that split each packed row along the sequence
+            (``rlhf.models.sequence_parallel``); the token budget of a micro-batch is that of
+            the whole group.
     """
 
     def __init__(
@@ -130,12 +133,19 @@ class ModelGroup:
         startup_timeout_s: float = 300.0,
         lora: LoraSettings | None = None,
         lora_sync: str = "adapter",
+        sequence_parallel_size: int = 1,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if sequence_parallel_size < 1 or num_ranks % sequence_parallel_size:
+            raise ValueError(
+                f"model.sequence_parallel_size={sequence_parallel_size} must divide the {role}'s "
+                f"{num_ranks} ranks"
+            )
         self.role, self.num_ranks = role, num_ranks
+        self.sp_size = sequence_parallel_size
         self.placement = placement or Placement()
         self.placement.check(num_ranks)
         settings = settings or DeepSpeedSettings()
@@ -164,6 +174,7 @@ class ModelGroup:
                     log_dir,
                     lora,
                     lora_sync,
+                    sequence_parallel_size,
                 )
             )
         self._start_refs = self._submit("info")
@@ -296,9 +307,13 @@ class ModelGroup:
 
     # -------------------------------------------------------------- data flow
     def _deal(self, micro_batches: list[FlatBatch]) -> list[list[FlatBatch | None]]:
-        per_rank = balance_bins(micro_batches, self.num_ranks)
+        """Micro-batches of each rank: one data-parallel shard per sequence-parallel group,
+        the same on each of its ``sp_size`` consecutive ranks."""
+        per_shard = balance_bins(micro_batches, self.num_ranks // self.sp_size)
         # train_step needs at least one slot: with nothing to deal every rank runs one dummy.
-        return per_rank if per_rank[0] else [[None] for _ in per_rank]
+        if not per_shard[0]:
+            per_shard = [[None] for _ in per_shard]
+        return [per_shard[r // self.sp_size] for r in range(self.num_ranks)]
 
     def forward(
         self, samples: Sequence[Sample], max_tokens_per_microbatch: int, temperature: float = 1.0
@@ -332,7 +347,9 @@ class ModelGroup:
 
         def collect() -> list[torch.Tensor]:
             results: list[torch.Tensor | None] = [None] * len(samples)
-            for mbs, ys in zip(per_rank, self._gather(refs, "forward"), strict=True):
+            # The ranks of a sequence-parallel group return the same rows: read the first's.
+            shards = self._gather(refs, "forward")[:: self.sp_size]
+            for mbs, ys in zip(per_rank[:: self.sp_size], shards, strict=True):
                 for mb, y in zip(mbs, ys, strict=True):
                     if mb is None:
                         continue

@@ -77,6 +77,14 @@ def test_ill_typed_value_fails_at_compose():
         (["algorithm=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
         (["rollout.partial_rollouts=true"], "train.mode=streaming"),
         (["train.mode=streaming", "rollout.partial_rollouts=true"], "rollout.inflight_updates=false"),
+        (["model.sequence_parallel_size=0"], "model.sequence_parallel_size"),
+        (["model.sequence_parallel_size=2", "model.attn_impl=sdpa"], "model.attn_impl=sdpa"),
+        # gae with KL: the actor's 2 ranks split, the reference's 1 cannot
+        (["model.sequence_parallel_size=2", "cluster.actor_ranks=2"], "cluster.ref_ranks=1"),
+        (
+            ["model.sequence_parallel_size=2", "algorithm=grpo", "cluster.actor_ranks=3"],
+            "cluster.actor_ranks=3",
+        ),
     ],
 )
 def test_semantic_errors_name_the_field(overrides, field):
@@ -154,3 +162,29 @@ def test_lora_config_and_what_it_cannot_be_combined_with():
     assert merged.rollout.lora_sync == "merged"
     with pytest.raises(ConfigError, match=r"model\.lora\.rank must be >= 0"):
         compose("ppo", ["experiment=toy_count", "model.lora.rank=-1"])
+
+
+def test_sequence_parallel_ranks_are_checked_for_the_groups_a_run_starts():
+    # GRPO without KL starts the actor alone: the other roles' ranks do not matter.
+    cfg = compose(
+        "ppo",
+        [
+            "experiment=toy_count",
+            "algorithm=grpo",
+            "algorithm.kl_coef=0",
+            "model.sequence_parallel_size=2",
+            "cluster.actor_ranks=2",
+        ],  # fmt: skip
+    )
+    assert cfg.model_roles() == ["actor"]
+    for trainer, field in (("sft", "actor_ranks=3"), ("dpo", "ref_ranks=1"), ("rm", "reward_ranks=1")):
+        with pytest.raises(ConfigError, match=f"must divide cluster.{field}"):
+            compose(
+                trainer,
+                [
+                    "experiment=toy_chat",
+                    "model.sequence_parallel_size=2",
+                    f"cluster.actor_ranks={2 + (trainer == 'sft')}",
+                ],
+            )
+    compose("sft", ["experiment=toy_chat", "model.sequence_parallel_size=2", "cluster.actor_ranks=2"])

@@ -143,8 +143,9 @@ def test_trainer_needs_reference_logprobs(tmp_path, pairs):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("sp", [1, 2], ids=["one-rank", "sequence-parallel-2"])
 def test_dpo_steps_through_the_group_keep_pairs_together_and_raise_the_margin(
-    ray_session, tmp_path, tiny_llama_dir, pairs
+    ray_session, tmp_path, tiny_llama_dir, pairs, sp
 ):
     from rlhf.trainer.dpo_trainer import DPOTrainer, fill_reference
     from rlhf.trainer.setup import model_group
@@ -167,8 +168,12 @@ def test_dpo_steps_through_the_group_keep_pairs_together_and_raise_the_margin(
         "train.lr=0.001",
         "data.max_len=24",
         f"train.max_tokens_per_microbatch={budget}",
+        # sp=2: every row split over the 2 ranks of one sequence-parallel group
+        f"model.sequence_parallel_size={sp}",
+        f"cluster.actor_ranks={sp}",
+        f"cluster.ref_ranks={sp}",
     )
-    with model_group(cfg, "actor", str(tiny_llama_dir), 1, cfg.train.lr) as policy:
+    with model_group(cfg, "actor", str(tiny_llama_dir), sp, cfg.train.lr) as policy:
         # Before any step the policy *is* the reference (same weights): use it as such.
         fill_reference(policy, pairs, cfg.train.max_tokens_per_microbatch)
         trainer = DPOTrainer(cfg, policy, pairs, eval_pairs=pairs)

@@ -428,3 +428,53 @@ def test_labelled_parquet_prompts_reach_the_reward_and_eval_reports_accuracy(wor
             0.9 * h["reward/label_reward"] + 0.1 * h["reward/format"], abs=1e-6
         )
     assert seen and set(seen) <= {r["answer"] for r in rows}
+
+
+# -- sequence parallelism ----------------------------------------------------------------------
+
+
+def test_a_sequence_parallel_actor_reproduces_the_grpo_run_metric_by_metric(world, tmp_path):
+    """The actor's 2 ranks as one sequence-parallel group (k=2) instead of 2 data-parallel ranks:
+    the same GRPO run, metric by metric (fp32 rounding apart)."""
+    from rlhf.trainer.setup import deepspeed_settings
+    from rlhf.workers.group import ModelGroup
+    from rlhf.workers.placement import Placement
+
+    cfg, workers = world["cfg"], world["workers"]
+    grpo = {"advantage": "grpo", "kl_coef": 0.01, "kl_kind": "k3", "kl_in_reward": False}
+    grpo.update(loss_aggregation="seq_mean_token_mean", normalize_advantages=False)
+    _snapshot(world, tmp_path / "start")
+    data_parallel = _numbers(_trainer(world, tmp_path / "k1", train={"num_steps": 3}, algorithm=grpo).fit())
+    _restore(world, tmp_path / "start")
+    sp_actor = ModelGroup(
+        "actor",
+        world["model_dir"],
+        cfg.cluster.actor_ranks,
+        deepspeed_settings(cfg.train, cfg.train.actor_lr),
+        attn_impl=cfg.model.attn_impl,
+        seed=cfg.train.seed,
+        sequence_parallel_size=2,
+        # The world holds every CPU of the test's Ray; the two actors never compute at once.
+        placement=Placement(num_cpus=0),
+    )
+    dp_actor = workers.actor
+    try:
+        sp_actor.load_checkpoint(str(tmp_path / "start" / "actor"), tag="start")
+        workers.actor = sp_actor
+        split = _numbers(_trainer(world, tmp_path / "k2", train={"num_steps": 3}, algorithm=grpo).fit())
+    finally:
+        workers.actor = dp_actor
+        sp_actor.shutdown()
+        _restore(world, tmp_path / "start")
+    assert [i["attn_impl"] for i in sp_actor.infos] == ["ulysses_packed_sdpa"] * 2
+    assert len(split) == len(data_parallel) == 3
+    # Rows of an odd length are padded to split evenly: counted, and the one metric that differs.
+    assert all(h["packing/pad_fraction"] == 0 for h in data_parallel)
+    assert any(h["packing/pad_fraction"] > 0 for h in split)
+    for a, b in zip(split, data_parallel, strict=True):
+        assert set(a) == set(b)
+        for key in set(a) - {"packing/pad_fraction"}:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    # Not vacuous: the policy trained, on responses that differ from step to step.
+    assert all(abs(h["policy/loss"]) > 0 for h in split)
+    assert len({h["reward/mean"] for h in split}) > 1 or len({h["response/length_mean"] for h in split}) > 1

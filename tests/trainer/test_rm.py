@@ -58,20 +58,29 @@ def test_score_at_last_token_equals_per_sample_reference_and_loss_matches(rm, pa
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("sp", [1, 2], ids=["one-rank", "sequence-parallel-2"])
 def test_pairwise_accuracy_rises_and_saved_dir_is_a_sequence_classifier(
-    ray_session, tmp_path, tiny_llama_dir, pairs
+    ray_session, tmp_path, tiny_llama_dir, pairs, sp
 ):
     from transformers import AutoModelForSequenceClassification
 
     from rlhf.trainer.rm_trainer import RMTrainer
     from rlhf.trainer.setup import model_group
 
-    cfg = tiny_trainer_cfg("rm", tmp_path, tiny_llama_dir, "train.lr=0.002")
+    # sp=2: each packed row (pairs kept together) split over 2 ranks of one sequence-parallel group.
+    cfg = tiny_trainer_cfg(
+        "rm",
+        tmp_path,
+        tiny_llama_dir,
+        "train.lr=0.002",
+        f"model.sequence_parallel_size={sp}",
+        f"cluster.reward_ranks={sp}",
+    )
     pairs = pairs[:10]
     samples = [s for p in pairs for s in p]
     budget = cfg.train.max_tokens_per_microbatch
     # The reward role with lr > 0 trains, starting from the causal-LM dir with a fresh head.
-    with model_group(cfg, "reward", str(tiny_llama_dir), 1, cfg.train.lr) as group:
+    with model_group(cfg, "reward", str(tiny_llama_dir), sp, cfg.train.lr) as group:
         init = AutoModelForSequenceClassification.from_pretrained(tiny_llama_dir, num_labels=1).eval()
         init.load_state_dict(group.get_weights())
         torch.testing.assert_close(

@@ -100,7 +100,14 @@ def vocab(model_dir) -> int:
 
 
 def _start(
-    role: str, model_dir: Path, num_ranks: int, stage: int, ckpt: Path, placement=None, **ds
+    role: str,
+    model_dir: Path,
+    num_ranks: int,
+    stage: int,
+    ckpt: Path,
+    placement=None,
+    sequence_parallel_size: int = 1,
+    **ds,
 ) -> ModelGroup:
     t0 = time.perf_counter()
     group = ModelGroup(
@@ -110,6 +117,7 @@ def _start(
         DeepSpeedSettings(**{**DS, "zero_stage": stage, **ds}),
         placement=placement,
         seed=0,
+        sequence_parallel_size=sequence_parallel_size,
     )
     if role in ("actor", "critic"):
         group.save_checkpoint(str(ckpt), tag="init")
