@@ -17,6 +17,10 @@ What it measures, with a random-init model (nothing is downloaded):
    seconds per step (median of ``--repeats``), real tokens/s, MFU = model FLOPs of the real
    tokens / step time / peak (989 TFLOP/s dense bf16 for an H200), peak memory.
 
+   Sequence parallelism (``bench/gpu_sequence_parallel.py``, rows ``mistral_sp2``): one row
+   split over 2 processes on the device vs one process, per path: log-probs (max) and the
+   gradient's relative error (in the "mean" column).
+
 3. The ``hf`` rollout backend's sampler (``rlhf.models.decode``) on the device, with the bench
    model: the logprob it reports for each sampled token vs a full forward of the completion
    (a check row ``hf_decode``), and decode tokens/s for ``--decode-prompts`` x 4 completions
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from gpu_sequence_parallel import sequence_parallel_checks  # noqa: E402
 from packing import sample_lengths  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -303,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
             {"model": "bench", "impl": impl, "max_diff": mx, "mean_diff": mean, "ok": mx <= tol}
         )
     result["checks"] += arch_checks(device, dtype, tol)
+    sp_samples = make_samples(6, TINY_CONFIG["vocab_size"], seed=2, scale=0.1)
+    result["checks"] += sequence_parallel_checks(device, dtype, paths_for(device, dtype), sp_samples)
     model.train()
     variants = [
         (f"packed/{impl}", impl, lambda: packed_step(model, samples, budget, device))

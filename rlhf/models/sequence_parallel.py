@@ -173,13 +173,19 @@ def split_row(sp: SequenceParallel, batch: FlatBatch) -> RowSplit:
 _CURRENT: RowSplit | None = None
 
 
+def _staged(x: torch.Tensor, sp: SequenceParallel) -> bool:
+    """gloo on CUDA tensors (several ranks sharing one GPU, where NCCL refuses): through the host."""
+    return x.is_cuda and dist.get_backend(sp.group) == "gloo"
+
+
 class _GatherRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
         ctx.sp = sp
-        parts = [torch.empty_like(x) for _ in range(sp.size)]
-        dist.all_gather(parts, x.contiguous(), group=sp.group)
-        return torch.cat(parts)
+        src = x.detach().cpu() if _staged(x, sp) else x.contiguous()
+        parts = [torch.empty_like(src) for _ in range(sp.size)]
+        dist.all_gather(parts, src, group=sp.group)
+        return torch.cat(parts).to(x.device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -195,10 +201,11 @@ def gather_row(local: torch.Tensor, split: RowSplit) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- all-to-all
 def _all_to_all(x: torch.Tensor, scatter: int, gather: int, sp: SequenceParallel) -> torch.Tensor:
-    chunks = [c.contiguous() for c in x.chunk(sp.size, dim=scatter)]
+    src = x.cpu() if _staged(x, sp) else x
+    chunks = [c.contiguous() for c in src.chunk(sp.size, dim=scatter)]
     out = [torch.empty_like(c) for c in chunks]
     dist.all_to_all(out, chunks, group=sp.group)
-    return torch.cat(out, dim=gather)
+    return torch.cat(out, dim=gather).to(x.device)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -46,8 +46,10 @@ def test_gpu_step_bench_tiny_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())
     assert r["device"] == "cpu" and r["auto_attn_impl"] == "packed_sdpa"
-    # The bench model and the windowed / soft-capped configs, each checked against per-sample.
-    assert {c["model"] for c in r["checks"]} == {"bench", "mistral_window16", "gemma2_window16_softcap"}
+    # The bench model and the windowed / soft-capped configs, each checked against per-sample;
+    # a row split over 2 sequence-parallel processes against one.
+    models = {"bench", "mistral_window16", "gemma2_window16_softcap", "mistral_sp2"}
+    assert {c["model"] for c in r["checks"]} == models
     assert all(c["ok"] and c["max_diff"] < 1e-4 for c in r["checks"]), r["checks"]
     # the hf rollout sampler's logprobs against a full forward, and its throughput
     assert [c["impl"] for c in r["checks"]].count("hf_decode") == 1
