@@ -6,8 +6,9 @@ row ``[1, T]`` is padded to ``T' = k * ceil(T / k)`` (the pad is a sample of its
 attends to nothing real) and rank ``r`` runs the model on tokens ``[r T'/k, (r+1) T'/k)``:
 embeddings, MLPs, norms and RoPE are per token, so only attention needs the other ranks.
 
-Attention (``ulysses_<inner>`` implementations registered here): each rank holds all heads of
-its T'/k tokens; an all-to-all turns that into ``H / k`` heads of all T' tokens, the inner
+Attention (``ulysses_<inner>`` implementations registered here; ``ulysses_fa_2`` around
+flash-attn 2): each rank holds all heads of its T'/k tokens; an all-to-all turns that into
+``H / k`` heads of all T' tokens, the inner
 packed attention (``packed_sdpa``, ``packed_varlen`` or flash-attn's varlen kernel) runs on
 the whole row with the row's sample boundaries, so sliding windows, soft-capping and sample
 isolation are the inner path's own; a second all-to-all brings each rank back all heads of
@@ -118,24 +119,32 @@ def check_sequence_parallel(config: Any, size: int, attn_impl: str | None = None
         )
 
 
-def enable_sequence_parallel(model: torch.nn.Module, sp: SequenceParallel) -> str:
+def enable_sequence_parallel(model: torch.nn.Module, sp: SequenceParallel, inner: str | None = None) -> str:
     """Run ``model``'s attention as Ulysses over ``sp`` (after ``prepare_model_for_packing``).
 
-    Returns the attention implementation now set (``ulysses_<inner>``); ``sp.size == 1``
+    ``inner``: the packed attention each rank runs on its heads (default: the model's current
+    implementation). Returns the implementation now set (``ulysses_<inner>``); ``sp.size == 1``
     leaves the model as it is.
     """
     m = unwrap_model(model)
     if sp.size == 1:
         return m.config._attn_implementation
-    inner = m.config._attn_implementation
+    inner = inner or m.config._attn_implementation
     check_sequence_parallel(m.config, sp.size, inner)
-    name = PREFIX + inner
+    name = wrapper_name(inner)
     if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, _ulysses_for(inner))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, packed_mask)
     m.set_attn_implementation(name)
     setattr(m, _ATTR, sp)
     return name
+
+
+def wrapper_name(inner: str) -> str:
+    """The registered name of Ulysses around ``inner``. Without "flash" in it: transformers
+    would read any such name as a flash-attn kernel to fetch from the hub (and the wrapper
+    hands the inner flash path its own name, ``_ModuleView``)."""
+    return PREFIX + inner.replace("flash_attention", "fa")
 
 
 # ---------------------------------------------------------------------------- the row's split
@@ -225,6 +234,27 @@ def _heads_to_row(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return _AllToAll.apply(x, 1, 2, sp)
 
 
+class _ConfigView:
+    """A model config that names ``impl`` as its attention implementation, all else its own."""
+
+    def __init__(self, config: Any, impl: str) -> None:
+        self._config, self._attn_implementation = config, impl
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+class _ModuleView:
+    """An attention layer as the inner implementation must see it: transformers' flash path
+    loads its kernel by ``module.config._attn_implementation``, which names the wrapper."""
+
+    def __init__(self, module: torch.nn.Module, impl: str) -> None:
+        self._module, self.config = module, _ConfigView(module.config, impl)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
 def _ulysses_for(inner: str):
     def ulysses_attention_forward(
         module: torch.nn.Module,
@@ -243,7 +273,7 @@ def _ulysses_for(inner: str):
             or attention_mask is not None
         ):
             raise RuntimeError(
-                f"sequence-parallel attention ({PREFIX}{inner}) runs only inside the packed forward "
+                f"sequence-parallel attention ({wrapper_name(inner)}) runs only inside the packed forward "
                 "of rlhf.models.forward (one row split by split_row); this call has "
                 f"query {tuple(query.shape)}"
             )
@@ -262,7 +292,7 @@ def _ulysses_for(inner: str):
             position_ids=None,
         )
         out, _ = fn(
-            module,
+            _ModuleView(module, inner),
             _heads_to_row(query, sp),
             _heads_to_row(key, sp),
             _heads_to_row(value, sp),

@@ -28,16 +28,30 @@ from rlhf.models.sequence_parallel import (
     check_sequence_parallel,
     enable_sequence_parallel,
 )
+from tests.models import fake_flash_attn
 from tests.models.test_attention import build, fake_flash_varlen_cpu, make_samples
 
 pytestmark = pytest.mark.cpu
 
 # Four KV heads of four query heads would not test GQA; two KV heads on four ranks
 # (llama, gemma2) are fewer than the ranks. Sliding windows: qwen2_sliding, mistral, gemma3.
-# "llama+lora": adapters on the projections, only they train. "mistral@packed_varlen": the GPU
-# path's attention (one varlen call over the row) with a CPU stand-in for torch's CUDA kernel.
-SP_ARCHS = ("llama", "llama+lora", "qwen2_sliding", "mistral", "mistral@packed_varlen", "gemma2", "gemma3")
+# "llama+lora": adapters on the projections, only they train. "@packed_varlen" and
+# "@flash_attention_2": the GPU paths inside each rank, through CPU stand-ins for torch's CUDA
+# kernel and for the flash-attn package (window and soft-cap keywords included); their k = 1
+# reference is packed_sdpa, since transformers refuses flash_attention_2 on a CPU model.
+SP_ARCHS = (
+    "llama",
+    "llama+lora",
+    "qwen2_sliding",
+    "mistral",
+    "mistral@packed_varlen",
+    "mistral@flash_attention_2",
+    "gemma2",
+    "gemma2@flash_attention_2",
+    "gemma3",
+)
 TOL = 1e-5
+FLASH = "flash_attention_2"
 
 
 def _batch():
@@ -53,6 +67,18 @@ def _value_model(name: str) -> torch.nn.Module:
     cfg = lm.config
     cfg.num_labels, cfg.pad_token_id = 1, 0
     return AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
+
+
+def _prepare(model: torch.nn.Module, impl: str, sp: SequenceParallel | None) -> None:
+    if impl == FLASH:
+        prepare_model_for_packing(model, "packed_sdpa")
+        if sp is not None:
+            fake_flash_attn.install()  # a spawned rank: nothing else runs in this process
+            enable_sequence_parallel(model, sp, inner=FLASH)
+        return
+    prepare_model_for_packing(model, impl)
+    if sp is not None:
+        enable_sequence_parallel(model, sp)
 
 
 def _run(name: str, sp: SequenceParallel | None) -> dict[str, torch.Tensor]:
@@ -81,9 +107,7 @@ def _outputs(name: str, impl: str, sp: SequenceParallel | None) -> dict[str, tor
         for n, p in model.named_parameters():
             if "lora_B" in n:  # PEFT starts B at 0: the adapters would change nothing
                 torch.nn.init.normal_(p, std=0.05)
-    prepare_model_for_packing(model, impl)
-    if sp is not None:
-        enable_sequence_parallel(model, sp)
+    _prepare(model, impl, sp)
     lp, ent = packed_logprobs(model, batch, temperature=0.7, return_entropy=True)
     # A loss weighting every position differently, so a slice mix-up cannot cancel out.
     w = torch.linspace(-1.0, 2.0, batch.num_tokens)
@@ -103,13 +127,13 @@ def _outputs(name: str, impl: str, sp: SequenceParallel | None) -> dict[str, tor
     opt.step()
     if impl == PACKED_VARLEN:
         assert fake_flash_varlen_cpu.calls > 0, "the varlen kernel did not run"
+    if impl == FLASH and sp is not None:
+        assert fake_flash_attn.flash_attn_varlen_func.calls > 0, "flash-attn's varlen did not run"
     out.update(lp=lp.detach(), ent=ent.detach(), loss=loss.detach())
     out["grad"] = torch.cat([g.reshape(-1) for g in grads])
     out["param"] = torch.cat([p.detach().reshape(-1) for p in params])
     vm = _value_model(arch)
-    prepare_model_for_packing(vm, impl)
-    if sp is not None:
-        enable_sequence_parallel(vm, sp)
+    _prepare(vm, impl, sp)
     with torch.no_grad():
         out["values"] = packed_hidden_values(vm, batch)
         out["scores"] = packed_sequence_scores(vm, batch)
