@@ -103,8 +103,10 @@ def check_vllm_lora(model_dir: str) -> None:
             )
 
 
-def check_sequence_parallel_heads(size: int, model_dir: str) -> None:
-    """Ulysses gives each of ``size`` ranks ``heads / size`` attention heads."""
+def check_sequence_parallel_heads(size: int, model_dir: str, source: str = "") -> None:
+    """Ulysses gives each of ``size`` ranks ``heads / size`` attention heads.
+
+    ``source``: what the message names as the model's origin (default: ``model_dir``)."""
     if size == 1:
         return
     from transformers import AutoConfig
@@ -114,13 +116,19 @@ def check_sequence_parallel_heads(size: int, model_dir: str) -> None:
     try:
         check_sequence_parallel(AutoConfig.from_pretrained(model_dir), size)
     except ValueError as e:
-        raise ConfigError(f"{model_dir}: {e}") from None
+        raise ConfigError(f"{source or model_dir}: {e}") from None
 
 
 def check_model_dirs(cfg: Any, model_dir: str) -> None:
     """Every check above that applies to ``cfg`` (a PPO, SFT, DPO or RM config)."""
     check_lora_targets(cfg.model.lora, model_dir)
-    check_sequence_parallel_heads(cfg.model.sequence_parallel_size, model_dir)
+    # model.path "" = the tiny model built from model.tiny, in a temporary dir the user never named
+    source = (
+        f"model.path={cfg.model.path}"
+        if cfg.model.path
+        else f"model.tiny.num_heads={cfg.model.tiny.num_heads}"
+    )
+    check_sequence_parallel_heads(cfg.model.sequence_parallel_size, model_dir, source)
     if getattr(cfg, "syncs_adapter", False) and cfg.rollout.backend == "vllm":
         check_vllm_lora(model_dir)
     reward = getattr(cfg, "reward", None)
