@@ -29,26 +29,22 @@ from rlhf.models.sequence_parallel import (
     enable_sequence_parallel,
 )
 from tests.models import fake_flash_attn
-from tests.models.test_attention import build, fake_flash_varlen_cpu, make_samples
+from tests.models.test_attention import ARCHS, build, fake_flash_varlen_cpu, make_samples
 
 pytestmark = pytest.mark.cpu
 
-# Four KV heads of four query heads would not test GQA; two KV heads on four ranks
-# (llama, gemma2) are fewer than the ranks. Sliding windows: qwen2_sliding, mistral, gemma3.
+# Their 4 query heads have 2 KV heads (GPT-NeoX: 4), so on 4 ranks the KV heads are fewer
+# than the ranks. Sliding windows: qwen2_sliding, mistral, gemma2/3, phi3.
 # "llama+lora": adapters on the projections, only they train. "@packed_varlen" and
 # "@flash_attention_2": the GPU paths inside each rank, through CPU stand-ins for torch's CUDA
 # kernel and for the flash-attn package (window and soft-cap keywords included); their k = 1
 # reference is packed_sdpa, since transformers refuses flash_attention_2 on a CPU model.
 SP_ARCHS = (
-    "llama",
+    *sorted(ARCHS),  # every tiny architecture of test_attention (sliding-window ones included)
     "llama+lora",
-    "qwen2_sliding",
-    "mistral",
     "mistral@packed_varlen",
     "mistral@flash_attention_2",
-    "gemma2",
     "gemma2@flash_attention_2",
-    "gemma3",
 )
 TOL = 1e-5
 FLASH = "flash_attention_2"
@@ -132,6 +128,8 @@ def _outputs(name: str, impl: str, sp: SequenceParallel | None) -> dict[str, tor
     out.update(lp=lp.detach(), ent=ent.detach(), loss=loss.detach())
     out["grad"] = torch.cat([g.reshape(-1) for g in grads])
     out["param"] = torch.cat([p.detach().reshape(-1) for p in params])
+    if arch == "granite":
+        return out  # transformers has no GraniteForSequenceClassification
     vm = _value_model(arch)
     _prepare(vm, impl, sp)
     with torch.no_grad():
@@ -192,7 +190,8 @@ def test_ulysses_equals_one_rank(k, reference):
                 assert err < TOL, f"{name} k={k} rank {r}: {key} differs by {err:.2e}"
         # Not vacuous: the gradients and the outputs are far from 0 and from constant.
         assert float(ref["grad"].abs().max()) > 1e-3
-        assert float(ref["lp"].std()) > 0.1 and float(ref["values"].std()) > 1e-3
+        assert float(ref["lp"].std()) > 0.1
+        assert "values" not in ref or float(ref["values"].std()) > 1e-3
 
 
 def test_heads_not_divisible_is_a_clear_error():
