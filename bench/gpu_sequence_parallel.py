@@ -6,7 +6,8 @@ activations staged through the host: the same all-to-all and all-gather calls, a
 and split one packed row of a tiny sliding-window GQA model. Compared with one process holding
 the whole row, on the same device and path: the response log-probs (max |diff|) and the
 gradient of the masked NLL (relative norm of the difference, after summing the ranks'
-partial gradients as DeepSpeed's all-reduce does).
+partial gradients as DeepSpeed's all-reduce does). ``run_ranks`` (k spawned processes, their
+results back) also serves ``bench/long_context.py``.
 """
 
 from __future__ import annotations
@@ -59,23 +60,43 @@ def _outputs(impl: str, device: str, dtype: torch.dtype, sp: SequenceParallel | 
     return {"lp": lp.detach().float().cpu(), "mask": mask.cpu(), "grad": grad}
 
 
-def _worker(rank: int, port: int, impl: str, device: str, dtype: torch.dtype, samples, queue) -> None:
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        out = _outputs(impl, device, dtype, SequenceParallel(2, rank, dist.group.WORLD), samples)
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        queue.put((rank, buf.getvalue()))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported as a failed check row
-        queue.put((rank, traceback.format_exc()))
-
-
 def _free_port() -> int:
+    # Not rlhf.workers.placement.free_port: that module imports Ray, which the GPU machine lacks.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _rank_main(target, rank: int, port: int, queue, args: tuple) -> None:
+    try:
+        out = target(rank, port, *args)
+        buf = io.BytesIO()
+        torch.save(out, buf)  # bytes: a queued tensor's shared memory dies with this process
+        queue.put((rank, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - handed to the caller as text
+        queue.put((rank, traceback.format_exc()))
+
+
+def run_ranks(target, k: int, *args, timeout_s: float = 600.0) -> list:
+    """``target(rank, port, *args)`` in ``k`` spawned processes (``port``: a free rendezvous port
+    for them); each rank's return value in rank order, or the traceback text of a rank that raised."""
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, port, queue, args)) for r in range(k)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return [v if isinstance(v, str) else torch.load(io.BytesIO(v)) for _, v in sorted(got.items())]
+
+
+def _sp_rank(rank: int, port: int, impl: str, device: str, dtype: torch.dtype, samples) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    out = _outputs(impl, device, dtype, SequenceParallel(2, rank, dist.group.WORLD), samples)
+    dist.destroy_process_group()
+    return out
 
 
 def sequence_parallel_checks(
@@ -85,20 +106,10 @@ def sequence_parallel_checks(
     rows = []
     lp_tol = 1e-4 if dtype == torch.float32 else 0.25
     grad_tol = 1e-4 if dtype == torch.float32 else 0.05
-    ctx = mp.get_context("spawn")
     for impl in paths:
         ref = _outputs(impl, device.type, dtype, None, samples)
-        queue, port = ctx.Queue(), _free_port()
-        procs = [
-            ctx.Process(target=_worker, args=(r, port, impl, device.type, dtype, samples, queue))
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        got = dict(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-        failed = [v for v in got.values() if isinstance(v, str)]
+        got = run_ranks(_sp_rank, 2, impl, device.type, dtype, samples)
+        failed = [v for v in got if isinstance(v, str)]
         if failed:
             print(f"sequence parallel on {impl} failed:\n{failed[0]}")
             rows.append(
@@ -111,7 +122,7 @@ def sequence_parallel_checks(
                 }
             )
             continue
-        out = torch.load(io.BytesIO(got[0]))
+        out = got[0]
         m = ref["mask"]
         lp_diff = float((out["lp"] - ref["lp"])[m].abs().max())
         grad_rel = float((out["grad"] - ref["grad"]).norm() / ref["grad"].norm())

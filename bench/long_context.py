@@ -31,14 +31,14 @@ import os
 import resource
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from gpu_sequence_parallel import run_ranks  # noqa: E402
 
 MODEL = dict(
     vocab_size=2048,
@@ -87,82 +87,68 @@ def _step(model, batch) -> float:
     return float(loss.detach())
 
 
-def _worker(rank: int, k: int, port: int, length: int, threads: int, queue) -> None:
-    try:
-        import transformers
+def _rank(rank: int, port: int, k: int, length: int, threads: int) -> dict:
+    import transformers
 
-        from rlhf.models import sequence_parallel as spm
-        from rlhf.models.attention import prepare_model_for_packing
+    from rlhf.models import sequence_parallel as spm
+    from rlhf.models.attention import prepare_model_for_packing
 
-        torch.set_num_threads(threads)
-        sp = None
-        if k > 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=k)
-            sp = spm.SequenceParallel(size=k, rank=rank, group=dist.group.WORLD)
-        comm = [0.0]
-        inner = spm._all_to_all
+    torch.set_num_threads(threads)
+    sp = None
+    if k > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=k)
+        sp = spm.SequenceParallel(size=k, rank=rank, group=dist.group.WORLD)
+    comm = [0.0]
+    inner = spm._all_to_all
 
-        def timed_all_to_all(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                comm[0] += time.perf_counter() - t0
-
-        spm._all_to_all = timed_all_to_all
-        gather_forward = spm._GatherRow.forward
-
-        def timed_gather(ctx, x, group):
-            t0 = time.perf_counter()
-            try:
-                return gather_forward(ctx, x, group)
-            finally:
-                comm[0] += time.perf_counter() - t0
-
-        spm._GatherRow.forward = staticmethod(timed_gather)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(
-            transformers.LlamaConfig(**MODEL), dtype=torch.float32
-        ).train()
-        prepare_model_for_packing(model, "packed_sdpa")
-        if sp is not None:
-            spm.enable_sequence_parallel(model, sp)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)  # gradients exist before the measured step
-        _step(model, _row(512, MODEL["vocab_size"]))  # warm-up: torch's one-time allocations
-        batch = _row(length, MODEL["vocab_size"])
-        before = _rss_mib()
-        comm[0] = 0.0
+    def timed_all_to_all(*args, **kwargs):
         t0 = time.perf_counter()
-        loss = _step(model, batch)
-        seconds = time.perf_counter() - t0
-        out = {"act_mib": _peak_mib() - before, "seconds": seconds, "comm_s": comm[0], "loss": loss}
-        if k > 1:
-            dist.barrier()
-            dist.destroy_process_group()
-        queue.put((rank, out))
-    except BaseException:  # noqa: BLE001 - printed by the parent
-        queue.put((rank, traceback.format_exc()))
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            comm[0] += time.perf_counter() - t0
+
+    spm._all_to_all = timed_all_to_all
+    gather_forward = spm._GatherRow.forward
+
+    def timed_gather(ctx, x, group):
+        t0 = time.perf_counter()
+        try:
+            return gather_forward(ctx, x, group)
+        finally:
+            comm[0] += time.perf_counter() - t0
+
+    spm._GatherRow.forward = staticmethod(timed_gather)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**MODEL), dtype=torch.float32
+    ).train()
+    prepare_model_for_packing(model, "packed_sdpa")
+    if sp is not None:
+        spm.enable_sequence_parallel(model, sp)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients exist before the measured step
+    _step(model, _row(512, MODEL["vocab_size"]))  # warm-up: torch's one-time allocations
+    batch = _row(length, MODEL["vocab_size"])
+    before = _rss_mib()
+    comm[0] = 0.0
+    t0 = time.perf_counter()
+    loss = _step(model, batch)
+    seconds = time.perf_counter() - t0
+    out = {"act_mib": _peak_mib() - before, "seconds": seconds, "comm_s": comm[0], "loss": loss}
+    if k > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return out
 
 
 def measure(length: int, k: int, cores: int) -> list[dict]:
-    from rlhf.workers.placement import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port([])
-    threads = max(1, cores // k)
-    procs = [ctx.Process(target=_worker, args=(r, k, port, length, threads, queue)) for r in range(k)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=3600) for _ in range(k))
-    for p in procs:
-        p.join(timeout=120)
-    for r, res in got.items():
+    ranks = run_ranks(_rank, k, k, length, max(1, cores // k), timeout_s=3600)
+    for r, res in enumerate(ranks):
         if isinstance(res, str):
             raise RuntimeError(f"T={length} k={k} rank {r} failed:\n{res}")
-    return [got[r] for r in range(k)]
+    return ranks
 
 
 def _slope(points: list[tuple[int, float]]) -> tuple[float, float]:
