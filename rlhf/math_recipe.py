@@ -13,34 +13,26 @@ model brings:
    worked ``solution`` (``3 * 4 = 12 / 5 + 12 = 17 / #### 17``), the layout of GSM8K;
 2. a tokenizer that reads them (byte-level BPE trained on the training text, digits single
    tokens) and a tiny random-init Qwen2 (``rlhf.models.tiny.build_task_model``);
-3. a short SFT warm start on the worked solutions of the training split
-   (``data.prompt_key=question data.completion_key=solution``): the format and part of the skill;
+3. an SFT warm start (``data.prompt_key=question data.completion_key=solution``) on the
+   training split with half its solutions cut to the bare answer (``#### 17``;
+   ``--bare-share``), as SFT sets mix sources: the model learns the format and to work
+   problems out, and answers about half the questions outright, mostly wrong;
 4. GRPO with the experiment's reward (math-verify on the ``#### X`` answer plus a small format
-   reward), held-out greedy accuracy and pass@8 before the first step and every ``eval.every``
-   steps on test questions never trained on;
+   reward), held-out greedy accuracy, pass@8 and answer length before the first step and every
+   ``eval.every`` steps on test questions never trained on. Nothing tells the model to work
+   the problems out but the verifier's reward: it learns that working out pays, its answers
+   lengthen and held-out accuracy rises (the effect RL on reasoning is known for);
 5. a plot (``<out>/progress.png``) and a summary: held-out accuracy after SFT -> after GRPO.
 
 Only the sizes a tiny model needs are overridden here (learning rate, response length, batch):
 the experiment configs keep a real model's values.
 
-Measured (2-core machine, 2026-12-06, defaults; 196 held-out questions; greedy accuracy after
-the SFT warm start -> after GRPO):
-
-- full fine-tuning: 14.3% -> 24.5% after 80 GRPO steps (19.4% at 20, 14.3% at 40, 19.9% at 60;
-  pass@8 46.4% -> 41.3%), 499 s wall (data + model + SFT 81 s).
-- ``--lora``: 14.3% -> 21.9% after 40 steps (18.4% at 20; pass@8 46.4% -> 46.4%), ~680 s wall:
-  generation with adapters is ~5.7x slower on vLLM's CPU kernels (8.7 s vs 1.5 s a step).
-
-Short of a 20-point gain. What was tried, from the same data: ``actor_lr`` 2e-4 and 3e-4 with
-full weights collapse held-out accuracy (14% -> 2% by step 20); 1e-4 with 16 prompts a step
-(128 samples) stays flat (14.3% -> 14.8% in 40 steps); a longer warm start (250 SFT steps:
-37.2%, pass@8 70.4%) leaves GRPO less to add (39.8% after 60 steps); four optimizer steps a
-batch (``train.num_minibatches=4``) fall to 7.7% by step 40; one-step-off generation
-(``train.max_staleness=1``) is slower here (6-7 s a step against 4.2 s: training is the slower
-phase and needs its scoring forward again); rollouts at temperature 0.7 reach 19.9% after 100
-steps, and 16 prompts x 16 samples a step 16.3% after 80. A plain PyTorch SFT loop on the same
-data and settings reaches 12.2% (the pipeline: 14.3%), so the warm start is not held back by the
-trainer.
+Measured (2-core machine, 2026-12-07, defaults; 196 held-out questions): held-out greedy
+accuracy 30.6% -> 63.3% after 80 GRPO steps, 448 s wall; ``--lora`` 30.6% -> 61.7% after 40
+steps, 573 s. With every SFT solution worked (``--bare-share 0 --sft-steps 200``), GRPO only
+sharpened what the tiny model knew of arithmetic: 14.3% -> 24.5% after 80 steps, 23.5% after
+150, pass@8 falling; its mistakes were wrong products and sums, not a choice the reward could
+flip. ``docs/benchmarks.md`` (Recipes) has the runs and the settings that did worse.
 """
 
 from __future__ import annotations
@@ -71,7 +63,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lora", action="store_true", help="GRPO on LoRA adapters (experiment=lora_grpo)")
     p.add_argument("--output-dir", default=None, help="default runs/math_recipe[_lora]")
-    p.add_argument("--sft-steps", type=int, default=200, help="optimizer steps of the SFT warm start")
+    p.add_argument("--sft-steps", type=int, default=600, help="optimizer steps of the SFT warm start")
+    p.add_argument(
+        "--bare-share",
+        type=float,
+        default=0.5,
+        help="share of the SFT solutions cut to the bare answer (0: all worked)",
+    )
     p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (80; 40 with --lora)")
     p.add_argument("--train-rows", type=int, default=2000)
     p.add_argument("--test-rows", type=int, default=200)
@@ -110,12 +108,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Data, model, SFT, GRPO; returns the summary numbers."""
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    from rlhf.data.make_arith import write
+    from rlhf.data.make_arith import write, write_sft
     from rlhf.demo import sft_then_grpo
 
     t0 = time.perf_counter()
     out = Path(args.output_dir)
     data = write(out / "data", args.train_rows, args.test_rows, args.seed)
+    data["sft"] = write_sft(data["train"], out / "data" / "sft.parquet", args.bare_share, args.seed)
     model = build_model(out, data["train"], args.hidden, args.layers)
     sft = [
         f"model.path={model}",
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "train.lr=0.0005",
         "train.max_tokens_per_microbatch=4096",
     ]
-    files = {"sft": data["train"], "train": data["train"], "eval": data["test"]}
+    files = {"sft": data["sft"], "train": data["train"], "eval": data["test"]}
     grpo = [f"experiment={args.experiment}", *TINY_COMMON, *TINY_GRPO[args.experiment], *args.overrides]
     history, t_sft = sft_then_grpo(out, sft, grpo, files, args)
     return _report(history, out, args, t0, t_sft)
@@ -140,11 +139,14 @@ def _report(history: list[dict], out: Path, args, t0: float, t_sft: float) -> di
     plot(history, png, title, ("held-out pass@8", lambda h: h.get("eval/pass@8")))
     wall = time.perf_counter() - t0
     first, last = evals[0], evals[-1]
+    bare, worked = _solution_lengths(out)
     summary = {
         "accuracy_before": first["eval/accuracy"],
         "accuracy_after": last["eval/accuracy"],
         "pass8_before": first.get("eval/pass@8", float("nan")),
         "pass8_after": last.get("eval/pass@8", float("nan")),
+        "length_before": first["eval/response_length"],
+        "length_after": last["eval/response_length"],
         "sft_s": t_sft - t0,
         "wall_s": wall,
         "eval_prompts": int(last["eval/num_prompts"]),
@@ -153,11 +155,28 @@ def _report(history: list[dict], out: Path, args, t0: float, t_sft: float) -> di
         f"\nheld-out greedy accuracy {summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} "
         f"over {args.rl_steps} GRPO steps ({args.experiment}), on {summary['eval_prompts']} held-out "
         f"questions never trained on; pass@8 {summary['pass8_before']:.1%} -> {summary['pass8_after']:.1%}\n"
+        f"greedy answers' mean length {summary['length_before']:.1f} -> {summary['length_after']:.1f} tokens "
+        f"(the held-out rows: a bare answer {bare:.1f}, a worked solution {worked:.1f})\n"
         f"wall time {wall:.0f} s (data + model + SFT {summary['sft_s']:.0f} s)\n"
         f"model: {out / 'grpo' / 'final'}\nmetrics: {out / 'grpo' / 'metrics.jsonl'}\nplot: {png}",
         flush=True,
     )
     return summary
+
+
+def _solution_lengths(out: Path) -> tuple[float, float]:
+    """Mean tokens of the held-out questions' bare answers and of their worked solutions (with
+    the end-of-turn token, as the engine counts them)."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "sft" / "final")
+    rows = pq.read_table(out / "data" / "test.parquet").to_pylist()
+
+    def mean(texts: list[str]) -> float:
+        return sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts) / len(texts)
+
+    return mean([f"#### {r['answer']}" for r in rows]), mean([r["solution"] for r in rows])
 
 
 if __name__ == "__main__":

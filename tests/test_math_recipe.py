@@ -29,6 +29,22 @@ def test_the_arith_files_hold_out_questions_and_their_answers_follow_the_solutio
             assert eval(lhs.replace("/", "//")) == int(rhs)  # noqa: S307 - "a op b" from the generator
 
 
+def test_the_sft_file_cuts_the_given_share_of_solutions_to_the_bare_answer(tmp_path):
+    from rlhf.data.make_arith import write, write_sft
+
+    files = write(tmp_path, num_train=1000, num_test=10)
+    train = pq.read_table(files["train"]).to_pylist()
+    sft = pq.read_table(write_sft(files["train"], tmp_path / "sft.parquet", 0.3, seed=1)).to_pylist()
+    assert [(r["question"], r["answer"]) for r in sft] == [(r["question"], r["answer"]) for r in train]
+    bare = [s["solution"] == f"#### {s['answer']}" for s in sft]
+    assert 0.25 < sum(bare) / len(sft) < 0.35  # 1000 draws at 0.3
+    assert all(s == t for s, t, b in zip(sft, train, bare, strict=True) if not b)  # the others stay worked
+    assert all(len(s["solution"].splitlines()) == 3 for s, b in zip(sft, bare, strict=True) if not b)
+    assert write_sft(files["train"], tmp_path / "none.parquet", 0.0).is_file()
+    with pytest.raises(ValueError, match="bare_share must be in"):
+        write_sft(files["train"], tmp_path / "all.parquet", 1.0)
+
+
 def test_the_task_tokenizer_reads_the_problems(tmp_path):
     from transformers import AutoTokenizer
 

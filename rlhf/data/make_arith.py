@@ -1,6 +1,6 @@
 """Write the bundled arithmetic word problems as Parquet (train and held-out test), the layout
 of a GSM8K user's own files: ``question`` (the prompt), ``answer`` (the final number) and
-``solution``.
+``solution``; and, for a warm start, an SFT file whose solutions are partly bare answers.
 
     python -m rlhf.data.make_arith --out data/arith     # then: python -m rlhf.ppo experiment=rlvr_math
 """
@@ -26,6 +26,27 @@ def write(out: str | Path, num_train: int = 2000, num_test: int = 200, seed: int
     pq.write_table(pa.Table.from_pylist(train), files["train"])
     pq.write_table(pa.Table.from_pylist(test), files["test"])
     return files
+
+
+def write_sft(train: str | Path, out: str | Path, bare_share: float, seed: int = 0) -> Path:
+    """The training split with a ``bare_share`` of its solutions cut to the final answer
+    (``#### 17``), the rest worked, as SFT sets mix (worked solutions from one source, answers
+    only from another). A model warm-started on it answers some questions outright and works
+    others out; the verifier's reward is what tells it which pays (``rlhf.math_recipe``)."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not 0.0 <= bare_share < 1.0:
+        raise ValueError(f"bare_share must be in [0, 1), got {bare_share}")
+    rng = random.Random(seed)
+    rows = pq.read_table(train).to_pylist()
+    for r in rows:
+        if rng.random() < bare_share:
+            r["solution"] = f"#### {r['answer']}"
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return Path(out)
 
 
 def main() -> None:
