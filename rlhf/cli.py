@@ -273,6 +273,9 @@ def main(config_name: str, run: Callable[[Any], list[dict]]) -> None:
     are Hydra's own (``--help``, ``-m``)."""
     import hydra
 
+    from rlhf.envvars import quiet_driver
+
+    quiet_driver()
     argv = sys.argv[1:]
     own = [a for a in argv if not a.startswith("-") and a not in ("job", "hydra", "all")]
     try:

@@ -22,6 +22,7 @@ __all__ = [
     "cpu_env",
     "engine_env",
     "model_worker_env",
+    "quiet_driver",
     "torch_extensions_dir",
 ]
 
@@ -85,6 +86,20 @@ def engine_env(num_gpus: float) -> dict[str, str]:
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     env.update({k: os.environ[k] for k in PASSTHROUGH if k in os.environ})
     return env
+
+
+def quiet_driver() -> None:
+    """The driver's own process without the lines ``scripts/env.sh`` keeps off the console when
+    it is started as ``python -m``: transformers' progress bars (the tiny model's "Writing model
+    shards"), and DeepSpeed's "Setting accelerator to CPU" warning on import where no CUDA
+    device is visible. A value the user set is kept; DS_ACCELERATOR is left alone where a GPU is
+    visible, since a local Ray started by this driver passes its environment to the ranks."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", CLUSTER_ENV["HF_HUB_DISABLE_PROGRESS_BARS"])
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = CPU_ENV["DS_ACCELERATOR"]
 
 
 def torch_extensions_dir() -> str:

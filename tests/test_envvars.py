@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -74,3 +76,33 @@ def test_env_helpers(monkeypatch):
     assert "DS_ACCELERATOR" not in model_worker_env(True, 1)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/opt/ext")  # the image's, or the user's
     assert model_worker_env(True, 1)["TORCH_EXTENSIONS_DIR"] == "/opt/ext"
+
+
+def _driver(code: str, **env: str) -> subprocess.CompletedProcess:
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "HF_HUB_DISABLE_PROGRESS_BARS")
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_driver_started_as_python_m_keeps_deepspeeds_and_transformers_noise_off_the_console():
+    # what `python -m rlhf.ppo` prints without scripts/env.sh: DeepSpeed's import-time warning
+    noisy = _driver("import deepspeed.accelerator")
+    assert "Setting accelerator to CPU" in noisy.stderr + noisy.stdout  # the noise is real here
+    quiet = _driver(
+        "from rlhf.envvars import quiet_driver; quiet_driver(); import os, deepspeed.accelerator; "
+        "from transformers.utils import logging; "
+        "print(os.environ['DS_ACCELERATOR'], logging.is_progress_bar_enabled())"
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Setting accelerator" not in quiet.stderr + quiet.stdout
+    assert quiet.stdout.split() == ["cpu", "False"]
+    kept = _driver(
+        "from rlhf.envvars import quiet_driver; quiet_driver(); import os; "
+        "print(os.environ['DS_ACCELERATOR'], os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])",
+        DS_ACCELERATOR="cuda",
+        HF_HUB_DISABLE_PROGRESS_BARS="0",
+    )
+    assert kept.stdout.split() == ["cuda", "0"]  # the user's values win
