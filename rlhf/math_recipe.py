@@ -83,6 +83,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     # vLLM's CPU LoRA kernels generate ~5.7x slower than the merged model (8.7 s vs 1.5 s a
     # step here), so the LoRA recipe takes fewer steps to stay near 10 minutes
     args.rl_steps = args.rl_steps or (40 if args.lora else 80)
+    if not 0.0 <= args.bare_share < 1.0:  # before any data is written
+        p.error(f"--bare-share must be in [0, 1) (a share of the SFT rows), got {args.bare_share}")
     return args
 
 

@@ -45,6 +45,16 @@ def test_the_sft_file_cuts_the_given_share_of_solutions_to_the_bare_answer(tmp_p
         write_sft(files["train"], tmp_path / "all.parquet", 1.0)
 
 
+def test_a_bare_share_out_of_range_is_refused_before_anything_is_written(tmp_path, capsys):
+    from rlhf.math_recipe import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bare-share", "1", "--output-dir", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert "--bare-share must be in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_task_tokenizer_reads_the_problems(tmp_path):
     from transformers import AutoTokenizer
 
