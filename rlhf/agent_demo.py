@@ -219,6 +219,9 @@ def _report(
 
 
 if __name__ == "__main__":
+    from rlhf.envvars import quiet_driver
+
+    quiet_driver()  # before anything imports transformers or DeepSpeed
     from rlhf.trainer.run_control import exit_on_preemption
 
     exit_on_preemption(main, None)

@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    from rlhf.envvars import quiet_driver
+
+    quiet_driver()  # before anything imports transformers or DeepSpeed
     from rlhf.trainer.run_control import exit_on_preemption
 
     exit_on_preemption(main, None)

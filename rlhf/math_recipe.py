@@ -182,6 +182,9 @@ def _solution_lengths(out: Path) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
+    from rlhf.envvars import quiet_driver
+
+    quiet_driver()  # before anything imports transformers or DeepSpeed
     from rlhf.trainer.run_control import exit_on_preemption
 
     exit_on_preemption(main, None)
