@@ -22,12 +22,11 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _stack import NUM_TOY_PROMPTS, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
+from _stack import NUM_TOY_PROMPTS, CpuSampler, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
 
 SIZES = {
     # hidden, layers, heads, kv heads, intermediate, new tokens
@@ -36,45 +35,6 @@ SIZES = {
 }
 PHASES = ("generate", "reward", "score", "advantage", "train", "sync")
 PROMPTS, SAMPLES = 16, 4
-
-
-class CpuSampler:
-    """Machine-wide CPU use every ``every_s`` seconds, as ``(perf_counter, percent)``."""
-
-    def __init__(self, every_s: float = 0.05):
-        import psutil
-
-        self.psutil, self.every_s = psutil, every_s
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self.psutil.cpu_percent(interval=None)
-        while not self._stop.wait(self.every_s):
-            self.samples.append((time.perf_counter(), self.psutil.cpu_percent(interval=None)))
-
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        # One more, so that every span inside the block has a sample covering its end.
-        self.samples.append((time.perf_counter(), self.psutil.cpu_percent(interval=None)))
-
-    def mean(self, t0: float, t1: float) -> float:
-        """Mean CPU % of the samples that cover [t0, t1]. A sample is the use since the one before
-        it, so these are the samples after t0 up to the first at or after t1: at least one for any
-        span inside the block, however short, and however late a busy machine lets this thread run."""
-        inside = []
-        for t, p in self.samples:
-            if t > t0:
-                inside.append(p)
-                if t >= t1:
-                    break
-        return statistics.fmean(inside) if inside else float("nan")
 
 
 def _config(size: str, steps: int, out: str, overrides: tuple[str, ...] = ()):

@@ -38,15 +38,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _stack import grpo_lr0_overrides, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
+from _stack import CpuSampler, grpo_lr0_overrides, model_and_prompts, start_workers  # noqa: E402 - bench/ is the script dir
 
 from rlhf.workers.rollout import RolloutEngine, response_room, sampling_params  # noqa: E402
 
@@ -129,21 +132,30 @@ def _run_mode(cfg, workers, tok, prompts, start: Path, mode: str, staleness: int
     loader = PromptLoader(prompts, cfg.train.rollout_batch_size, seed=0)
     trainer = PPOTrainer(cfg, workers, tok, loader, load_reward_fn(cfg.reward.function))
     trainer.save = lambda: None  # checkpoint writes are not what is measured
-    marks: list[tuple[float, float]] = []  # (time, engine busy) at the end of each step
+    engine = psutil.Process(workers.rollout.stats()[0]["pid"])  # one engine, on this machine
+    marks: list[tuple[float, float, float]] = []  # (time, engine busy, engine CPU s) after each step
     log_step = trainer.step_once
 
     def step_once(tracker, stop):
         log_step(tracker, stop)
-        marks.append((time.perf_counter(), workers.rollout.busy_s()))
+        cpu = engine.cpu_times()
+        marks.append((time.perf_counter(), workers.rollout.busy_s(), cpu.user + cpu.system))
 
     trainer.step_once = step_once
-    history = trainer.fit()
-    (t0, busy0), (t1, busy1) = marks[1], marks[-1]  # steps 1-2 warm the engine and the rank up
+    with CpuSampler() as machine:
+        history = trainer.fit()
+    (t0, busy0, cpu0), (t1, busy1, cpu1) = marks[1], marks[-1]  # steps 1-2 warm the engine and the rank up
     measured = history[2:]
     wall = t1 - t0
+    samples_s = sum(h["rollout/num_samples"] for h in measured) / wall
+    machine_busy = machine.mean(t0, t1) / 100
     return {
-        "samples_s": sum(h["rollout/num_samples"] for h in measured) / wall,
+        "samples_s": samples_s,
         "tokens_s": sum(h["rollout/num_samples"] * h["response/length_mean"] for h in measured) / wall,
+        "machine_busy": machine_busy,
+        # The same work with every core busy: how far this mode can go on this machine.
+        "ceiling_s": samples_s / machine_busy,
+        "engine_cpu": (cpu1 - cpu0) / wall,
         "engine_idle": 1.0 - (busy1 - busy0) / wall,
         "trainer_idle": sum(h["time/trainer_wait_s"] for h in measured) / wall,
         "response": statistics.fmean(h["response/length_mean"] for h in measured),
@@ -199,13 +211,20 @@ def long_tail(args: argparse.Namespace) -> dict[str, dict]:
     )
     print(
         f"{'mode':<28}{'samples/s':>10}{'tokens/s':>10}{'engine idle':>13}{'trainer idle':>14}{'staleness':>11}{'dropped':>9}"
-        f"{'train s':>9}{'sync s':>8}"
+        f"{'train s':>9}{'sync s':>8}{'machine busy':>14}{'engine cores':>14}{'ceiling':>9}"
     )
     for name, r in rows.items():
         print(
             f"{name:<28}{r['samples_s']:>10.1f}{r['tokens_s']:>10.0f}{r['engine_idle']:>12.0%}{r['trainer_idle']:>13.0%}"
             f"{r['staleness']:>11.2f}{r['dropped']:>9.0f}{r['train_s']:>9.2f}{r['sync_s']:>8.2f}"
+            f"{r['machine_busy']:>13.0%}{r['engine_cpu']:>14.2f}{r['ceiling_s']:>9.1f}"
         )
+    cores = os.cpu_count() or 1
+    print(
+        f"machine busy: every core's use over the measured steps ({cores} cores = 100%); engine cores: the "
+        "engine process's CPU use (1.00 = one core all the time); ceiling: samples/s / machine busy, the "
+        "same work with every core busy"
+    )
     for unit in ("samples_s", "tokens_s"):
         base, off = rows[MODES[0][0]][unit], rows[MODES[1][0]][unit]
         for name, *_ in MODES[2:]:
@@ -214,6 +233,12 @@ def long_tail(args: argparse.Namespace) -> dict[str, dict]:
                 f"{name} ({unit.replace('_s', '/s')}): {r / base:.2f}x synchronous (target >= 2x), "
                 f"{r / off:.2f}x one-step-off (target >= 1.3x)"
             )
+    base = rows[MODES[0][0]]["samples_s"]
+    print(
+        "ceilings (samples/s with every core busy on the same work per sample): "
+        + ", ".join(f"{name} {rows[name]['ceiling_s'] / base:.2f}x" for name, *_ in MODES)
+        + " synchronous"
+    )
     return rows
 
 

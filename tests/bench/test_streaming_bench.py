@@ -33,8 +33,11 @@ def test_streaming_bench_measures_every_mode_on_both_workloads(tmp_path):
     ]
     for name, r in rows.items():
         assert r["samples_s"] > 0 and 0 <= r["engine_idle"] <= 1 and 0 <= r["trainer_idle"] <= 1, (name, r)
+        # Measured, not assumed: the machine's share of busy cores and the engine process's CPU.
+        assert 0 < r["machine_busy"] <= 1 and r["engine_cpu"] > 0, (name, r)
     assert rows["batch, synchronous"]["staleness"] == 0
     assert all(r["staleness"] <= 2 for r in rows.values())
     agent = result["agent"]
     assert agent["per_batch"] > 0 and agent["streaming"] > 0 and agent["per_batch_ideal"] > 0
     assert "x the per-batch ideal" in proc.stdout and "x one-step-off" in proc.stdout
+    assert "ceilings (samples/s with every core busy" in proc.stdout
