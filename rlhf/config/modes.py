@@ -15,10 +15,12 @@ GPU_ONLY_SYNC_MODES = ("nccl", "ipc")
 
 
 def check_streaming(cfg: PPOConfig) -> None:
-    """``rollout.weight_sync`` (``check_weight_sync``), and what ``train.mode=streaming`` needs:
-    engines that serve many calls at once."""
+    """``rollout.weight_sync`` (``check_weight_sync``), ``train.recompute_old_logprobs``
+    (``check_old_logprobs``), and what ``train.mode=streaming`` needs: engines that serve many
+    calls at once."""
     r, c = cfg.rollout, cfg.cluster
     check_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
+    check_old_logprobs(cfg)
     if cfg.train.mode != "streaming":
         _check(
             not r.partial_rollouts,
@@ -47,6 +49,26 @@ def check_streaming(cfg: PPOConfig) -> None:
         cfg.env.loop != "lockstep",
         "env.loop=lockstep runs turns over a whole batch; train.mode=streaming runs each group's trajectories "
         "on their own: set env.loop=per_trajectory (or train.mode=batch)",
+    )
+
+
+def check_old_logprobs(cfg: PPOConfig) -> None:
+    """``train.recompute_old_logprobs=false`` replaces the actor's log-probs before the update
+    with the engines'; what reads the former cannot run without them."""
+    if cfg.train.recompute_old_logprobs:
+        return
+    a = cfg.algorithm
+    _check(
+        a.rollout_correction == "none",
+        f"algorithm.rollout_correction={a.rollout_correction} weighs the engines' log-probs against the actor's "
+        "before the update, which train.recompute_old_logprobs=false no longer computes: set "
+        "train.recompute_old_logprobs=true, or algorithm.rollout_correction=none",
+    )
+    _check(
+        not (a.kl_in_reward and a.kl_coef > 0),
+        "the KL penalty in the reward (algorithm.kl_in_reward with kl_coef > 0) reads the actor's log-probs "
+        "before the update, which train.recompute_old_logprobs=false no longer computes: set "
+        "train.recompute_old_logprobs=true, or algorithm.kl_in_reward=false (the KL as a loss term)",
     )
 
 

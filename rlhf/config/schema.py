@@ -365,6 +365,12 @@ class TrainConfig(RunConfig):
     # batch; streaming: prompt groups stream through the engines and a step takes the next
     # finished ones (rlhf.trainer.streaming), staleness bounded by max_staleness
     mode: str = "batch"
+    # false: where the PPO ratio needs a denominator the train step cannot take from its own
+    # forward (max_staleness >= 1, ppo_epochs or num_minibatches > 1), use the engines' sampling
+    # log-probs of every sample (the behaviour policy, as PipelineRL and slime do) instead of a
+    # scoring forward of the actor: one forward less per step. Needs
+    # algorithm.rollout_correction=none and no KL in the reward (both read the actor's log-probs).
+    recompute_old_logprobs: bool = True
     rollout_timeout_s: float = 3600.0  # longest wait for a rollout batch or for the engines
     # A model group or engine whose process died (killed, OOM-killed, node lost): rebuild all
     # workers and continue from the last checkpoint, at most this many times per run.
@@ -469,6 +475,12 @@ class PPOConfig:
             and a.rollout_correction == "none"
             and not (a.kl_in_reward and a.kl_coef > 0)
         )
+
+    @property
+    def old_logprobs_from_rollout(self) -> bool:
+        """``train.recompute_old_logprobs=false`` where the actor's scoring forward would run:
+        every sample's PPO denominator is then its engine log-probs (``rollout_logprobs``)."""
+        return not self.train.recompute_old_logprobs and not self.old_logprobs_are_current
 
     @property
     def reference_is_actor_base(self) -> bool:

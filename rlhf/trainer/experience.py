@@ -272,17 +272,19 @@ class ExperienceMaker:
 
     def score_models(self, samples: list[Sample], engines_busy: int = 0) -> list[Sample]:
         """Fill ``old_logprobs`` (unless ``cfg.old_logprobs_are_current``: the train step takes
-        them from its own forward), ``ref_logprobs`` and ``values`` with the model groups.
+        them from its own forward; or ``cfg.old_logprobs_from_rollout``: the engines' stand in),
+        ``ref_logprobs`` and ``values`` with the model groups.
 
         All scoring forwards run at once and split the cores between them and the
         ``engines_busy`` engines generating meanwhile (one-step-off)."""
         # Logprobs at the sampling temperature, as the engine reported them and as the policy
         # loss computes them.
         t = self.cfg.rollout.temperature
+        skip_actor = self.cfg.old_logprobs_are_current or self.cfg.old_logprobs_from_rollout
         groups = [
             (name, group, temp)
             for name, group, temp in (
-                ("old_logprobs", None if self.cfg.old_logprobs_are_current else self.actor, t),
+                ("old_logprobs", None if skip_actor else self.actor, t),
                 ("ref_logprobs", self.reference, t),
                 ("values", self.critic, 1.0),
             )

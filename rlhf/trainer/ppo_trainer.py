@@ -298,15 +298,18 @@ class PPOTrainer:
         """
         if self.cfg.algorithm.rollout_correction != "none":
             return
+        every = self.cfg.old_logprobs_from_rollout  # train.recompute_old_logprobs=false: no scoring forward
         for s in samples:
-            if s.weight_version is None or s.weight_version >= self.step:
+            if not every and (s.weight_version is None or s.weight_version >= self.step):
                 continue
             if s.rollout_logprobs is None:
+                why = "train.recompute_old_logprobs=false" if every else "train.max_staleness >= 1"
                 raise ValueError(
-                    "train.max_staleness >= 1 trains on samples of older weights and needs the engines' "
-                    "logprobs of every sampled token (rollout_logprobs); this batch has none"
+                    f"{why} makes the engines' logprobs of every sampled token (rollout_logprobs) the PPO "
+                    "ratio's denominator; this batch has none"
                 )
-            s.old_logprobs = torch.where(s.action_mask, s.rollout_logprobs, s.old_logprobs)
+            kept = torch.zeros_like(s.rollout_logprobs) if s.old_logprobs is None else s.old_logprobs
+            s.old_logprobs = torch.where(s.action_mask, s.rollout_logprobs, kept)
 
     def collect(self, step: int) -> tuple[list[Sample], RolloutStats, dict[str, float]]:
         """Step ``step``'s rewarded samples: one batch of prompts, or with ``algorithm.dynamic_sampling``

@@ -77,6 +77,12 @@ def test_ill_typed_value_fails_at_compose():
         (["algorithm=gspo", "algorithm.dual_clip=3"], "algorithm.dual_clip"),
         (["rollout.partial_rollouts=true"], "train.mode=streaming"),
         (["train.mode=streaming", "rollout.partial_rollouts=true"], "rollout.inflight_updates=false"),
+        (
+            ["algorithm=grpo", "train.recompute_old_logprobs=false", "algorithm.rollout_correction=tis"],
+            "algorithm.rollout_correction=none",
+        ),
+        # the default (gae) puts the KL into the reward, from the actor's log-probs before the update
+        (["train.recompute_old_logprobs=false"], "algorithm.kl_in_reward=false"),
         (["model.sequence_parallel_size=0"], "model.sequence_parallel_size"),
         (["model.sequence_parallel_size=2", "model.attn_impl=sdpa"], "model.attn_impl=sdpa"),
         # gae with KL: the actor's 2 ranks split, the reference's 1 cannot
@@ -102,6 +108,17 @@ def test_old_logprobs_are_current_only_for_one_step_on_fresh_samples():
         ["algorithm=grpo", "algorithm.rollout_correction=tis"],
     ):
         assert not compose("ppo", ["experiment=toy_count", *extra]).old_logprobs_are_current, extra
+
+
+def test_old_logprobs_from_rollout_only_where_the_actor_would_score():
+    off = ["experiment=toy_count", "algorithm=grpo", "train.recompute_old_logprobs=false"]
+    for extra in (["train.max_staleness=1"], ["train.ppo_epochs=2"], ["train.num_minibatches=2"]):
+        assert compose("ppo", [*off, *extra]).old_logprobs_from_rollout, extra
+        # the default recomputes them with the actor
+        assert not compose("ppo", [*off[:2], *extra]).old_logprobs_from_rollout, extra
+    # one step on fresh samples: the train step's own forward is exact and wins
+    cfg = compose("ppo", off)
+    assert cfg.old_logprobs_are_current and not cfg.old_logprobs_from_rollout
 
 
 def test_base_config_and_schema_agree_on_every_default():

@@ -132,6 +132,36 @@ def test_one_version_ahead_every_token_within_the_bound_and_counted(world, tmp_p
     assert sum(s["weight_version"] == 4 for s in pool.stats()) == pool.num_engines
 
 
+def test_without_recomputing_every_sample_is_trained_against_its_engine_logprobs(world, tmp_path):
+    """train.recompute_old_logprobs=false: no scoring forward of the actor, and the PPO ratio's
+    denominator is the engines' log-probs of every sample, fresh ones included."""
+    tr = _trainer(world, tmp_path, num_steps=3, max_staleness=1, recompute_old_logprobs=False)
+    actor, scored, trained = tr.maker.actor, [], []
+    forward_async, train = actor.forward_async, tr.train
+
+    def counting_forward(*a, **k):
+        scored.append(1)
+        return forward_async(*a, **k)
+
+    def keeping_train(samples):
+        trained.append([(s.action_mask.clone(), s.old_logprobs.clone(), s.rollout_logprobs) for s in samples])
+        return train(samples)
+
+    actor.forward_async, tr.train = counting_forward, keeping_train
+    try:
+        history = tr.fit()
+    finally:
+        del actor.forward_async  # the instance attribute; the class's method is back
+    assert [h["step"] for h in history] == [1, 2, 3] and not scored
+    assert [len(step) for step in trained] == [B * N] * 3
+    for step in trained:
+        for mask, old, rollout in step:
+            assert torch.equal(old[mask], rollout[mask])
+    # Step 1 trains on version-0 samples with version-0 weights: the ratio is the engine/trainer
+    # agreement of fp32 on CPU, 1 to within 1e-4.
+    assert abs(history[0]["policy/ratio_mean"] - 1) < 1e-4
+
+
 def test_partial_rollouts_continue_what_an_update_interrupts(world, tmp_path):
     pool = world["workers"].rollout
     before = sum(s["continued"] for s in pool.stats())
