@@ -11,7 +11,9 @@ the lengths are the workload, not the random model's). Modes: ``train.mode=batch
 updates that wait for the requests in flight, abort and continue them (partial rollouts), or
 land between two engine steps (in-flight updates). Per mode: trained samples/s, the engine's idle share (1 -
 time in engine steps / wall time, from the engine's own counter) and the trainer's idle share
-(time waiting for its batch / wall time).
+(time waiting for its batch / wall time); the machine's CPU use (every core = 100%), the engine
+process's CPU in cores, and the mode's ceiling: samples/s over machine busy, the same work per
+sample with every core busy, a bound on what scheduling alone can gain on this machine.
 
 (b) The agent bench's skewed tool latency, rollouts only (``bench/agent_loop.py``'s workload:
 1-4 tool turns a trajectory, most calls ``--fast-ms``, a ``--slow-frac`` share ``--slow-ms``):
@@ -31,6 +33,8 @@ one-step-off, 50.6 streaming draining at each sync, 62.1 streaming with in-fligh
 dropped. (b) per-batch loop 48.1 traj/s, per-batch ideal 59.6, streaming 78.9: 1.32x the ideal.
 2026-12-07 with partial rollouts: (a) 39.7 synchronous, 34.1 one-step-off, 45.2 drain, 68.4
 partial rollouts, 63.4 in-flight (1.72x and 1.60x synchronous); (b) 44.9, 55.2, 80.5 (1.46x).
+Later that day, with the CPU columns: (a) 71.0, 73.4, 64.8, 89.6, 97.0; machine busy 62% synchronous,
+71% in-flight; in-flight's ceiling (every core busy) 1.91x synchronous; (b) 55.6, 67.3, 107.3.
 """
 
 from __future__ import annotations
