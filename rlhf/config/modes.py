@@ -15,12 +15,10 @@ GPU_ONLY_SYNC_MODES = ("nccl", "ipc")
 
 
 def check_streaming(cfg: PPOConfig) -> None:
-    """``rollout.weight_sync`` (``check_weight_sync``), ``train.recompute_old_logprobs``
-    (``check_old_logprobs``), and what ``train.mode=streaming`` needs: engines that serve many
-    calls at once."""
+    """``rollout.weight_sync`` (``check_weight_sync``), and what ``train.mode=streaming`` needs:
+    engines that serve many calls at once."""
     r, c = cfg.rollout, cfg.cluster
     check_weight_sync(r.weight_sync, c.device, c.colocate_engines, r.backend)
-    check_old_logprobs(cfg)
     if cfg.train.mode != "streaming":
         _check(
             not r.partial_rollouts,

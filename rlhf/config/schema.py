@@ -27,6 +27,7 @@ from rlhf.config.model import (  # noqa: F401
 from rlhf.config.modes import (  # noqa: F401
     GPU_ONLY_SYNC_MODES,
     WEIGHT_SYNC_MODES,
+    check_old_logprobs,
     check_streaming,
     check_weight_sync,
     resolve_weight_sync,
@@ -543,6 +544,7 @@ class PPOConfig:
     def __post_init__(self) -> None:
         check_offload_device(self.train, self.cluster)
         check_streaming(self)  # and rollout.weight_sync
+        check_old_logprobs(self)
         r, c = self.rollout, self.cluster
         self.model.check_sequence_parallel_ranks(
             {f"cluster.{RANK_FIELDS[r]}": getattr(c, RANK_FIELDS[r]) for r in self.model_roles()}
